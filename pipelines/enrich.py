@@ -1,0 +1,59 @@
+"""Enrichment: what gets embedded (titles + section path + chunk text) and the entities made filterable.
+
+The raw chunk text is stored unchanged; only `embed_text` carries the context prefix.
+"""
+
+from __future__ import annotations
+
+import re
+from datetime import datetime
+
+ENRICH_VERSION = "enrich-1"
+PREFIX_MAX_TOKENS = 48  # a long heading trail must not eat the chunk's own budget
+
+# Codes and identifiers: HR-2024-047, AVX-039, SKU-88412-B, 42P07, INC0012345. A code holds a digit and an
+# upper-case letter, or is upper-case letters and digits joined by hyphens.
+_CODE = re.compile(r"(?<![\w-])(?=[A-Za-z0-9_-]*\d)(?=[A-Za-z0-9_-]*[A-Z])[A-Z0-9][A-Za-z0-9]*(?:[-_][A-Za-z0-9]+)*(?![\w-])")
+_EMAIL = re.compile(r"\b[A-Za-z0-9._%+-]+@[A-Za-z0-9.-]+\.[A-Za-z]{2,}\b")
+_URL = re.compile(r"\bhttps?://[^\s<>\"')\]]+")
+_ISO_DATE = re.compile(r"\b(\d{4})-(\d{2})-(\d{2})\b")
+_MONTHS = "January|February|March|April|May|June|July|August|September|October|November|December"
+_LONG_DATE = re.compile(rf"\b(?:(\d{{1,2}}) ({_MONTHS}) (\d{{4}})|({_MONTHS}) (\d{{1,2}}),? (\d{{4}}))\b")
+
+
+def embed_prefix(title: str | None, section_path: list[str]) -> str:
+    """`Title\\nSection > Subsection\\n\\n`, without repeating the title when it is also the first heading."""
+    path = list(section_path)
+    if title and path and path[0].strip().lower() == title.strip().lower():
+        path = path[1:]
+    lines = [line for line in (title or "", " > ".join(path)) if line]
+    return "\n".join(lines) + "\n\n" if lines else ""
+
+
+def embed_text(title: str | None, section_path: list[str], text: str) -> str:
+    return embed_prefix(title, section_path) + text
+
+
+def _valid_date(year: str, month: int, day: str) -> str | None:
+    try:
+        return datetime(int(year), month, int(day)).date().isoformat()
+    except ValueError:
+        return None
+
+
+def extract_dates(text: str) -> list[str]:
+    found = [_valid_date(y, int(m), d) for y, m, d in _ISO_DATE.findall(text)]
+    months = _MONTHS.split("|")
+    for d1, m1, y1, m2, d2, y2 in _LONG_DATE.findall(text):
+        found.append(_valid_date(y1, months.index(m1) + 1, d1) if m1 else _valid_date(y2, months.index(m2) + 1, d2))
+    return sorted({d for d in found if d})
+
+
+def extract_entities(text: str) -> dict[str, list[str]]:
+    """Identifiers, dates, e-mails and URLs found in the text, each list sorted and de-duplicated."""
+    emails = set(_EMAIL.findall(text))
+    urls = {u.rstrip(".,;:") for u in _URL.findall(text)}
+    without_links = _URL.sub(" ", _EMAIL.sub(" ", text))
+    codes = {c for c in _CODE.findall(without_links) if len(c) >= 3 and not _ISO_DATE.fullmatch(c)}
+    entities = {"codes": sorted(codes), "dates": extract_dates(text), "emails": sorted(emails), "urls": sorted(urls)}
+    return {k: v for k, v in entities.items() if v}

@@ -1,0 +1,81 @@
+"""The whole ingest, stage after stage, as the CLI runs it (Dagster runs the same stages as assets)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+import psycopg
+
+from pipelines.drafts import chunk_pending, enrich_pending
+from pipelines.embedders import Embedder
+from pipelines.embedding import embed_pending
+from pipelines.extract import extract, load_sources
+from pipelines.parse import parse_pending
+from pipelines.publish import publish_ready
+from pipelines.report import StageReport
+from pipelines.vector_store import ensure_vector_store
+
+# progress(stage, total) -> advance(n); total is None when unknown up front.
+ProgressFactory = Callable[[str, int | None], Callable[[int], None]]
+
+EXIT_FILE_FAILURES = 3  # documented in README: the run finished, but some files failed
+
+
+@dataclass
+class IngestSummary:
+    stages: list[StageReport] = field(default_factory=list)
+
+    def stage(self, name: str) -> StageReport:
+        return next(s for s in self.stages if s.stage == name)
+
+    @property
+    def failures(self) -> list:
+        return [f for s in self.stages for f in s.failures]
+
+    def counters(self) -> dict:
+        ex, em, pu = self.stage("extract").counts, self.stage("embed").counts, self.stage("publish").counts
+        return {
+            "documents_seen": ex["seen"],
+            "documents_new": ex["new"],
+            "documents_changed": ex["changed"],
+            "documents_unchanged": ex["unchanged"],
+            "documents_deleted": ex["deleted"],
+            "documents_failed": len({(f.source_id, f.locator) for f in self.failures}),
+            "documents_published": pu["documents"],
+            "chunks_written": pu["chunks_written"],
+            "chunks_inserted": pu["chunks_inserted"],
+            "chunks_updated": pu["chunks_updated"],
+            "chunks_closed": pu["chunks_closed"],
+            "embeddings_computed": em["computed"],
+            "embeddings_reused": em["reused"],
+            "elapsed_s": {s.stage: s.elapsed_s for s in self.stages},
+        }
+
+    def as_dict(self) -> dict:
+        return {**self.counters(), "errors": [
+            {"source": f.source_id, "file": f.locator, "stage": f.stage, "reason": f.reason} for f in self.failures]}
+
+
+def _no_progress(stage: str, total: int | None) -> Callable[[int], None]:
+    return lambda n: None
+
+
+def ingest(conn: psycopg.Connection, embedder: Embedder, source_ids: list[str] | None = None,
+           progress: ProgressFactory = _no_progress) -> IngestSummary:
+    """Run every stage over the given sources (all registered sources when None)."""
+    summary = IngestSummary()
+    run_id = conn.execute("INSERT INTO ingest_runs (sources) VALUES (%s) RETURNING run_id",
+                          (source_ids or [s.source_id for s in load_sources(conn)],)).fetchone()[0]
+    summary.stages.append(extract(conn, load_sources(conn, source_ids)))
+    pending = conn.execute("SELECT count(*) FROM documents WHERE deleted_at IS NULL AND doc_format <> 'record'"
+                           " AND parsed_hash IS DISTINCT FROM content_hash").fetchone()[0]
+    summary.stages.append(parse_pending(conn, source_ids, progress=progress("parse", pending)))
+    summary.stages.append(chunk_pending(conn, embedder.counter, source_ids))
+    summary.stages.append(enrich_pending(conn, source_ids))
+    summary.stages.append(embed_pending(conn, embedder, progress=progress("embed", None)))
+    table = ensure_vector_store(conn, embedder.model_key, embedder.dimensions)
+    summary.stages.append(publish_ready(conn, table, source_ids))
+    conn.execute("UPDATE ingest_runs SET finished_at = now(), counters = %s WHERE run_id = %s",
+                 (summary.as_dict(), run_id))
+    return summary

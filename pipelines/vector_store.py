@@ -1,0 +1,48 @@
+"""Where each embedding model's vectors live: one table per model (sql/templates/vector_store.sql).
+
+A table per model keeps each vector column typed to its dimension (HNSW needs that) and lets a new model's
+vectors and index be built beside the serving ones.
+"""
+
+from __future__ import annotations
+
+import re
+
+import psycopg
+from psycopg import sql
+
+from pipelines.settings import SQL_DIR
+
+TEMPLATE = SQL_DIR / "templates" / "vector_store.sql"
+
+
+def table_name(model_key: str) -> str:
+    slug = re.sub(r"[^a-z0-9]+", "_", model_key.lower()).strip("_")
+    return f"vectors_{slug}"[:60]
+
+
+def ensure_vector_store(conn: psycopg.Connection, model_key: str, dimensions: int) -> str:
+    """Create the model's vector table and HNSW index if needed; returns the table name."""
+    table = table_name(model_key)
+    row = conn.execute("SELECT vector_table, dimensions FROM embedding_models WHERE model_key = %s", (model_key,)).fetchone()
+    if row is not None:
+        if row[1] != dimensions:
+            raise ValueError(f"model {model_key} is registered with {row[1]} dimensions, not {dimensions}")
+        return row[0]
+    with conn.transaction():
+        ddl = TEMPLATE.read_text().format(table=table, index=f"{table}_hnsw", dimensions=int(dimensions))
+        conn.execute(ddl)
+        active = conn.execute("SELECT count(*) FROM embedding_models WHERE state = 'active'").fetchone()[0]
+        conn.execute(
+            "INSERT INTO embedding_models (model_key, dimensions, vector_table, state, activated_at)"
+            " VALUES (%s, %s, %s, %s, CASE WHEN %s THEN now() END) ON CONFLICT (model_key) DO NOTHING",
+            (model_key, dimensions, table, "building" if active else "active", not active),
+        )
+    return table
+
+
+def vector_table(conn: psycopg.Connection, model_key: str) -> sql.Identifier:
+    row = conn.execute("SELECT vector_table FROM embedding_models WHERE model_key = %s", (model_key,)).fetchone()
+    if row is None:
+        raise LookupError(f"no vectors stored for model {model_key}; run `kb ingest` with it first")
+    return sql.Identifier(row[0])
