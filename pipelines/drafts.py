@@ -73,24 +73,25 @@ ORDER BY c.document_id, c.ordinal
 LIMIT %(limit)s
 """
 
-ENRICHED_SHAPE = "document_id bigint, ordinal int, embed_text text, text_hash text, entities jsonb"
-ENRICHED_COLUMNS = ("document_id", "ordinal", "embed_text", "text_hash", "entities")
+ENRICHED_SHAPE = "document_id bigint, ordinal int, embed_text text, text_hash text, entities jsonb, token_count int"
+ENRICHED_COLUMNS = ("document_id", "ordinal", "embed_text", "text_hash", "entities", "token_count")
 
 
-def enrich_pending(conn: psycopg.Connection, source_ids: list[str] | None = None, batch_size: int = 2000) -> StageReport:
+def enrich_pending(conn: psycopg.Connection, counter: TokenCounter, source_ids: list[str] | None = None,
+                   batch_size: int = 2000) -> StageReport:
+    """Fill in what gets embedded; token_count becomes the count of the embedded text, the one that must fit."""
     report = StageReport("enrich")
     after = (0, 0)  # keyset pagination: drafts stream in batches, never all in memory
     params = {"enricher": ENRICH_VERSION, "ids": source_ids, "limit": batch_size}
     while rows := conn.execute(TO_ENRICH, {**params, "after_doc": after[0], "after_ordinal": after[1]}).fetchall():
-        enriched = []
-        for doc_id, ordinal, title, path, text in rows:
-            full = embed_text(title, path, text)
-            enriched.append((doc_id, ordinal, full, hash_text(full), Jsonb(extract_entities(full))))
+        texts = [embed_text(title, path, text) for _, _, title, path, text in rows]
+        enriched = [(doc_id, ordinal, full, hash_text(full), Jsonb(extract_entities(full)), tokens)
+                    for (doc_id, ordinal, *_), full, tokens in zip(rows, texts, counter.count(texts))]
         with conn.transaction():
             bulk.stage_rows(conn, "kb_enriched", ENRICHED_SHAPE, ENRICHED_COLUMNS, enriched)
             conn.execute(
                 "UPDATE chunk_drafts c SET embed_text = e.embed_text, text_hash = e.text_hash, entities = e.entities,"
-                " enrich_version = %s FROM kb_enriched e WHERE c.document_id = e.document_id AND c.ordinal = e.ordinal",
+                " token_count = e.token_count, enrich_version = %s FROM kb_enriched e WHERE c.document_id = e.document_id AND c.ordinal = e.ordinal",
                 (ENRICH_VERSION,),
             )
         report.counts["chunks"] += len(rows)

@@ -72,7 +72,7 @@ def ingest(conn: psycopg.Connection, embedder: Embedder, source_ids: list[str] |
                            " AND parsed_hash IS DISTINCT FROM content_hash").fetchone()[0]
     summary.stages.append(parse_pending(conn, source_ids, progress=progress("parse", pending)))
     summary.stages.append(chunk_pending(conn, embedder.counter, source_ids))
-    summary.stages.append(enrich_pending(conn, source_ids))
+    summary.stages.append(enrich_pending(conn, embedder.counter, source_ids))
     summary.stages.append(embed_pending(conn, embedder, progress=progress("embed", None)))
     table = ensure_vector_store(conn, embedder.model_key, embedder.dimensions)
     summary.stages.append(publish_ready(conn, table, source_ids))

@@ -53,7 +53,7 @@ CREATE TABLE chunk_drafts (
     text           text NOT NULL,
     section_path   text[] NOT NULL,
     page_number    int,
-    token_count    int NOT NULL,
+    token_count    int NOT NULL,            -- model tokens of text; of embed_text once enriched
     embed_text     text,                    -- set by enrichment: titles + section path + text
     text_hash      text,                    -- xxh3-128 of embed_text: the embedding cache key
     entities       jsonb,
@@ -72,7 +72,7 @@ CREATE TABLE chunks (
     text_hash       text NOT NULL,
     section_path    text[] NOT NULL,
     page_number     int,
-    token_count     int NOT NULL,
+    token_count     int NOT NULL,           -- model tokens of embed_text: never above the model's limit
     entities        jsonb NOT NULL DEFAULT '{}',
     chunker_version text NOT NULL,
     enrich_version  text NOT NULL,

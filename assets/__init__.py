@@ -1,0 +1,1 @@
+"""kb's Dagster layer: thin assets over the stage functions in `pipelines/`. Definitions: assets.definitions."""

