@@ -42,7 +42,7 @@ DRAFT_COLUMNS = ("document_id", "ordinal", "build_key", "kind", "text", "section
 
 def chunk_pending(conn: psycopg.Connection, counter: TokenCounter, source_ids: list[str] | None = None,
                   batch_size: int = 256, progress=None) -> StageReport:
-    report = StageReport("chunk")
+    report = StageReport("chunk", ("documents", "chunks"))
     chunker = Chunker(counter)
     pending = conn.execute(TO_CHUNK, {"chunker": CHUNKER_VERSION, "enricher": ENRICH_VERSION, "ids": source_ids}).fetchall()
     for start in range(0, len(pending), batch_size):
@@ -80,7 +80,7 @@ ENRICHED_COLUMNS = ("document_id", "ordinal", "embed_text", "text_hash", "entiti
 def enrich_pending(conn: psycopg.Connection, counter: TokenCounter, source_ids: list[str] | None = None,
                    batch_size: int = 2000) -> StageReport:
     """Fill in what gets embedded; token_count becomes the count of the embedded text, the one that must fit."""
-    report = StageReport("enrich")
+    report = StageReport("enrich", ("chunks",))
     after = (0, 0)  # keyset pagination: drafts stream in batches, never all in memory
     params = {"enricher": ENRICH_VERSION, "ids": source_ids, "limit": batch_size}
     while rows := conn.execute(TO_ENRICH, {**params, "after_doc": after[0], "after_ordinal": after[1]}).fetchall():

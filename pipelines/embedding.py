@@ -33,7 +33,7 @@ WHERE c.text_hash IS NOT NULL AND EXISTS (SELECT 1 FROM {vectors} v WHERE v.text
 
 
 def embed_pending(conn: psycopg.Connection, embedder: Embedder, batch_size: int = 256, progress=None) -> StageReport:
-    report = StageReport("embed")
+    report = StageReport("embed", ("computed", "reused"))
     vectors = sql.Identifier(ensure_vector_store(conn, embedder.model_key, embedder.dimensions))
     report.counts["reused"] = conn.execute(sql.SQL(REUSED).format(vectors=vectors)).fetchone()[0]
     after = ""

@@ -225,7 +225,7 @@ def crawl_source(conn: psycopg.Connection, source: Source, report: StageReport, 
 
 
 def extract(conn: psycopg.Connection, sources: list[Source]) -> StageReport:
-    report = StageReport(STAGE)
+    report = StageReport(STAGE, ("seen", "new", "changed", "unchanged", "deleted"))
     for source in sources:
         try:
             crawl_source(conn, source, report)

@@ -136,7 +136,7 @@ ORDER BY d.document_id
 
 def parse_pending(conn: psycopg.Connection, source_ids: list[str] | None = None, batch_size: int = 16, progress=None) -> StageReport:
     """Parse every document whose bytes changed since they were last parsed, a batch per transaction."""
-    report = StageReport(STAGE)
+    report = StageReport(STAGE, ("parsed", "elements"))
     pending = conn.execute(PENDING, {"ids": source_ids}).fetchall()
     for start in range(0, len(pending), batch_size):
         batch = pending[start:start + batch_size]

@@ -112,7 +112,7 @@ def publish_batch(conn: psycopg.Connection, batch: list[tuple[int, str]], report
 
 def publish_ready(conn: psycopg.Connection, model_table: str, source_ids: list[str] | None = None,
                   batch_size: int = 64) -> StageReport:
-    report = StageReport("publish")
+    report = StageReport("publish", ("documents", "chunks_inserted", "chunks_updated", "chunks_closed", "chunks_kept"))
     ready = conn.execute(sql.SQL(READY).format(vectors=sql.Identifier(model_table)),
                          {"enricher": ENRICH_VERSION, "ids": source_ids}).fetchall()
     for start in range(0, len(ready), batch_size):

@@ -4,18 +4,19 @@ from __future__ import annotations
 
 import time
 from collections import Counter
-from dataclasses import dataclass, field
 
 from pipelines.failures import Failure
 
 
-@dataclass
 class StageReport:
-    stage: str
-    counts: Counter = field(default_factory=Counter)
-    failures: list[Failure] = field(default_factory=list)
-    elapsed_s: float = 0.0
-    _started: float = field(default_factory=time.perf_counter, repr=False)
+    """Counters start at zero so that "nothing to do" still shows as 0 in the UI and the JSON."""
+
+    def __init__(self, stage: str, counters: tuple[str, ...] = ()):
+        self.stage = stage
+        self.counts = Counter({name: 0 for name in (*counters, "failed")})
+        self.failures: list[Failure] = []
+        self.elapsed_s = 0.0
+        self._started = time.perf_counter()
 
     def fail(self, failure: Failure) -> None:
         self.failures.append(failure)

@@ -9,6 +9,7 @@ from pathlib import Path
 REPO_ROOT = Path(__file__).resolve().parent.parent
 SQL_DIR = REPO_ROOT / "sql"
 SAMPLES_DIR = REPO_ROOT / "samples"
+DEFAULT_SOURCES = f"samples={SAMPLES_DIR / 'docs'};faq={SAMPLES_DIR / 'faq.jsonl'}"
 
 
 @dataclass(frozen=True)
@@ -62,5 +63,5 @@ def load_settings() -> Settings:
         openai_concurrency=int(env.get("KB_OPENAI_CONCURRENCY", "4")),
         openai_max_retries=int(env.get("KB_OPENAI_MAX_RETRIES", "6")),
         batch_documents=int(env.get("KB_BATCH_DOCUMENTS", "64")),
-        sources=_parse_sources(env.get("KB_SOURCES", f"samples={SAMPLES_DIR}")),
+        sources=_parse_sources(env.get("KB_SOURCES", DEFAULT_SOURCES)),
     )

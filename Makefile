@@ -1,0 +1,35 @@
+# kb: two commands for a fresh machine (see README.md).
+#   make demo   install into .venv, run the Dagster ingest job on the bundled samples, print a search
+#   make test   install into .venv, run the test suite
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+KB_HOME ?= $(CURDIR)/.kb
+export KB_HOME
+export DAGSTER_HOME ?= $(KB_HOME)/dagster
+
+.PHONY: install demo test dev
+
+install: $(VENV)/.installed
+
+# torch first, from the CPU wheel pip finds locally (an unpinned torch would pull a multi-GB CUDA build);
+# then the full lock with --no-deps, so exactly the tested set is installed and nothing else is resolved.
+$(VENV)/.installed: requirements/lock.txt pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet --disable-pip-version-check torch==2.13.0
+	$(BIN)/pip install --quiet --disable-pip-version-check --no-deps -r requirements/lock.txt
+	$(BIN)/pip install --quiet --disable-pip-version-check --no-deps -e .
+	touch $@
+
+demo: install
+	mkdir -p $(DAGSTER_HOME)
+	$(BIN)/dagster job execute -m assets.definitions -j ingest
+	$(BIN)/kb status
+	$(BIN)/kb search "How many weeks of paid leave does a primary caregiver get?" --k 3
+
+test: install
+	$(BIN)/python -m pytest -q
+
+dev: install
+	mkdir -p $(DAGSTER_HOME)
+	$(BIN)/dagster dev -w workspace.yaml

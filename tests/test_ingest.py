@@ -1,0 +1,149 @@
+"""End to end on a real PostgreSQL: the sample corpus in, searchable chunks out; re-runs write nothing."""
+
+import json
+import os
+
+import numpy as np
+import pytest
+from click.testing import CliRunner
+
+from pipelines.cli import main
+from pipelines.extract import register_source, source_for_path
+from pipelines.ingest import EXIT_FILE_FAILURES, ingest
+from pipelines.search import dense_search
+from pipelines.settings import SAMPLES_DIR
+
+CONTENT_TABLES = ("documents", "elements", "chunks", "chunk_drafts", "vectors_local_all_minilm_l6_v2_384")
+
+
+class CountingEmbedder:
+    """The real local model, counting the texts it is asked to embed."""
+
+    def __init__(self, inner):
+        self.inner, self.texts = inner, 0
+        self.model_key, self.dimensions, self.counter = inner.model_key, inner.dimensions, inner.counter
+
+    def embed(self, texts):
+        self.texts += len(texts)
+        return self.inner.embed(texts)
+
+
+def snapshot(conn) -> dict:
+    """Every row of every content table with its xmin: a rewritten row shows even if its values are equal."""
+    return {t: conn.execute(f"SELECT xmin::text, t::text FROM {t} t ORDER BY 2").fetchall() for t in CONTENT_TABLES}
+
+
+def ingest_samples(conn, embedder, docs=SAMPLES_DIR / "docs"):
+    register_source(conn, source_for_path(docs, "samples"))
+    register_source(conn, source_for_path(SAMPLES_DIR / "faq.jsonl", "faq"))
+    return ingest(conn, embedder)
+
+
+def test_sample_corpus_is_ingested_with_chunks_metadata_and_vectors(conn, embedder):
+    summary = ingest_samples(conn, embedder)
+    counters = summary.counters()
+    assert summary.failures == []
+    assert counters["documents_seen"] == counters["documents_new"] == counters["documents_published"] == 13
+    assert counters["chunks_inserted"] == counters["embeddings_computed"] > 13
+
+    formats = dict(conn.execute("SELECT doc_format, count(*) FROM documents GROUP BY 1").fetchall())
+    assert formats == {"md": 1, "html": 1, "txt": 1, "csv": 1, "xlsx": 1, "docx": 1, "pptx": 1, "pdf": 1, "eml": 1,
+                       "record": 4}
+    # Every live chunk: raw text stored apart from the embedded text, which starts with the document title.
+    rows = conn.execute("SELECT d.title, c.text, c.embed_text, c.token_count FROM chunks c JOIN documents d"
+                        " USING (document_id) WHERE c.valid_to IS NULL").fetchall()
+    for title, text, embedded, tokens in rows:
+        assert embedded.startswith(title) and embedded.endswith(text) and 0 < tokens <= 254
+    # Entities are filterable through the JSONB index.
+    hits = conn.execute("SELECT DISTINCT d.locator FROM chunks c JOIN documents d USING (document_id)"
+                        " WHERE c.entities @> '{\"codes\": [\"HR-2024-047\"]}'").fetchall()
+    assert hits == [("handbook/leave-policy.md",)]
+    # Vectors: one per distinct embedded text, unit length, 384-d.
+    vectors = conn.execute("SELECT embedding FROM vectors_local_all_minilm_l6_v2_384").fetchall()
+    assert len(vectors) == conn.execute("SELECT count(DISTINCT text_hash) FROM chunks").fetchone()[0]
+    norms = np.linalg.norm(np.array([np.asarray(v[0].to_numpy()) for v in vectors]), axis=1)
+    assert np.allclose(norms, 1, atol=1e-3) and len(vectors[0][0].to_numpy()) == 384
+
+    top = dense_search(conn, embedder, "how many weeks of paid leave for a new parent", k=3)
+    assert top[0].document == "handbook/leave-policy.md"
+
+
+def test_second_run_writes_nothing_and_embeds_nothing(conn, embedder):
+    ingest_samples(conn, embedder)
+    before = snapshot(conn)
+    counting = CountingEmbedder(embedder)
+    counters = ingest_samples(conn, counting).counters()
+    assert counting.texts == 0
+    assert counters["documents_unchanged"] == 13 and counters["documents_changed"] == counters["documents_new"] == 0
+    assert counters["chunks_written"] == counters["embeddings_computed"] == 0
+    assert snapshot(conn) == before
+
+
+def test_touched_but_identical_file_is_not_reparsed(conn, embedder, samples_copy):
+    ingest_samples(conn, embedder, samples_copy)
+    os.utime(samples_copy / "handbook/leave-policy.md", (1_700_000_000, 1_700_000_000))
+    counters = ingest_samples(conn, embedder, samples_copy).counters()
+    assert counters["documents_unchanged"] == 13
+    assert ingest_samples(conn, embedder, samples_copy).stage("parse").counts["parsed"] == 0
+
+
+def test_bad_files_fail_one_by_one_and_the_rest_is_ingested(conn, embedder, samples_copy):
+    (samples_copy / "empty.txt").write_bytes(b"")
+    (samples_copy / "corrupt.pdf").write_bytes(b"%PDF-1.4\n this is not really a pdf")
+    (samples_copy / "photo.png").write_bytes(b"\x89PNG\r\n\x1a\n....")
+    (samples_copy / "blank.html").write_text("<html><body><p> </p></body></html>")
+    (samples_copy / "gone.md").symlink_to(samples_copy / "does-not-exist.md")
+    summary = ingest_samples(conn, embedder, samples_copy)
+    reasons = {f.locator: f.reason for f in summary.failures}
+    assert set(reasons) == {"empty.txt", "corrupt.pdf", "photo.png", "blank.html", "gone.md"}
+    assert "empty file" in reasons["empty.txt"]
+    assert "unsupported file type '.png'" in reasons["photo.png"]
+    assert "parsed to no text" in reasons["blank.html"]
+    assert "cannot read" in reasons["gone.md"] and "No such file" in reasons["gone.md"]
+    assert "corrupt.pdf" in reasons["corrupt.pdf"]
+    for locator, reason in reasons.items():
+        assert str(samples_copy / locator) in reason, "the reason must name the file"
+    published = conn.execute("SELECT count(*) FROM documents WHERE published_key IS NOT NULL").fetchone()[0]
+    assert published == 13
+    recorded = {r[0] for r in conn.execute("SELECT locator FROM failures")}
+    assert recorded == set(reasons)
+
+
+def test_a_file_that_breaks_keeps_its_last_good_version(conn, embedder, samples_copy):
+    ingest_samples(conn, embedder, samples_copy)
+    chunks = lambda: conn.execute(  # noqa: E731
+        "SELECT c.text FROM chunks c JOIN documents d USING (document_id)"
+        " WHERE d.locator = 'finance/expense-policy.docx' AND c.valid_to IS NULL ORDER BY c.ordinal").fetchall()
+    good = chunks()
+    (samples_copy / "finance/expense-policy.docx").write_bytes(b"truncated upload")
+    summary = ingest_samples(conn, embedder, samples_copy)
+    assert [f.locator for f in summary.failures] == ["finance/expense-policy.docx"]
+    assert chunks() == good
+    assert dense_search(conn, embedder, "daily meal allowance when travelling", k=1)[0].document == "finance/expense-policy.docx"
+
+
+def test_cli_ingest_json_reports_counters_errors_and_exit_status(settings, samples_copy):
+    (samples_copy / "empty.md").write_bytes(b"")
+    runner = CliRunner()
+    result = runner.invoke(main, ["ingest", str(samples_copy), "--source", "handbook", "--json"])
+    assert result.exit_code == EXIT_FILE_FAILURES, result.output
+    data = json.loads(result.stdout)
+    assert data["documents_seen"] == 10 and data["documents_new"] == 9 and data["documents_failed"] == 1
+    assert data["errors"][0]["file"] == "empty.md" and "empty file" in data["errors"][0]["reason"]
+    assert data["embeddings_computed"] == data["chunks_written"] > 0
+
+    again = runner.invoke(main, ["ingest", str(samples_copy / "handbook"), "--source", "hb", "--json"])
+    assert again.exit_code == 0 and json.loads(again.stdout)["errors"] == []
+
+    found = runner.invoke(main, ["search", "fault code for encoder signal lost", "--k", "2", "--json"])
+    assert found.exit_code == 0
+    assert len(json.loads(found.stdout)["chunks"]) == 2
+
+    status = runner.invoke(main, ["status", "--json"])
+    sources = {s["source_id"]: s for s in json.loads(status.stdout)["sources"]}
+    assert sources["handbook"]["documents"] == 9 and sources["handbook"]["failed"] == 1
+
+
+def test_cli_usage_errors_exit_2(settings):
+    result = CliRunner().invoke(main, ["ingest", "/no/such/folder"])
+    assert result.exit_code == 2
