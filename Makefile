@@ -21,8 +21,7 @@ $(VENV)/.installed: requirements/lock.txt pyproject.toml
 	$(BIN)/pip install --quiet --disable-pip-version-check --no-deps -e .
 	touch $@
 
-demo: install
-	mkdir -p $(DAGSTER_HOME)
+demo: install $(DAGSTER_HOME)/dagster.yaml
 	$(BIN)/dagster job execute -m assets.definitions -j ingest
 	$(BIN)/kb status
 	$(BIN)/kb search "How many weeks of paid leave does a primary caregiver get?" --k 3
@@ -30,6 +29,9 @@ demo: install
 test: install
 	$(BIN)/python -m pytest -q
 
-dev: install
-	mkdir -p $(DAGSTER_HOME)
+dev: install $(DAGSTER_HOME)/dagster.yaml
 	$(BIN)/dagster dev -w workspace.yaml
+
+$(DAGSTER_HOME)/dagster.yaml:
+	mkdir -p $(DAGSTER_HOME)
+	printf 'telemetry:\n  enabled: false\n' > $@

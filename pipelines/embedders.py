@@ -48,8 +48,10 @@ class LocalEmbedder:
     def _model(self):
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
         os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+        import transformers
         from sentence_transformers import SentenceTransformer
 
+        transformers.logging.disable_progress_bar()
         return SentenceTransformer(str(local_model_dir()), device="cpu")
 
     def embed(self, texts: list[str]) -> np.ndarray:
