@@ -1,8 +1,15 @@
-"""One asset per ingestion stage. Each reads the previous stage's table and writes its own."""
+"""One asset per ingestion stage, partitioned by source. Each reads the previous stage's table and writes its own.
+
+Every stage of a source runs under that source's advisory lock, so two runs of one source never interleave,
+while different sources proceed in parallel.
+"""
+
+from contextlib import contextmanager
 
 import dagster as dg
 
 from assets.metadata import report_metadata
+from assets.partitions import sources
 from assets.resources import KnowledgeBase
 from pipelines.chunking import CHUNKER_VERSION
 from pipelines.enrich import ENRICH_VERSION
@@ -11,75 +18,85 @@ INGESTION = "ingestion"
 EMBEDDINGS = "embeddings"
 
 
-@dg.asset(group_name=INGESTION, kinds={"python", "postgres"}, pool="postgres")
-def source_documents(context: dg.AssetExecutionContext, kb: KnowledgeBase) -> dg.MaterializeResult:
-    """Documents found in the configured sources, with size, mtime and content hash; vanished ones soft-deleted."""
-    from pipelines.extract import extract, load_sources, register_source, source_for_path
+@contextmanager
+def locked_source(kb: KnowledgeBase, context: dg.AssetExecutionContext):
+    from pipelines.locks import source_locks
 
-    with kb.connect() as conn:
-        for name, path in kb.settings.sources.items():
-            register_source(conn, source_for_path(path, name))
-        report = extract(conn, load_sources(conn))
+    with kb.connect() as conn, source_locks(conn, [context.partition_key]):
+        yield conn, [context.partition_key]
+
+
+def _log_failures(context: dg.AssetExecutionContext, report) -> None:
     for failure in report.failures:
         context.log.warning(str(failure))
+
+
+@dg.asset(partitions_def=sources, group_name=INGESTION, kinds={"python", "postgres"})
+def source_documents(context: dg.AssetExecutionContext, kb: KnowledgeBase) -> dg.MaterializeResult:
+    """Documents found in the source, with size, mtime and content hash; vanished ones soft-deleted."""
+    from pipelines.extract import extract, load_sources, register_source, source_for_path
+
+    with locked_source(kb, context) as (conn, source_ids):
+        register_source(conn, source_for_path(kb.settings.sources[source_ids[0]], source_ids[0]))
+        report = extract(conn, load_sources(conn, source_ids))
+    _log_failures(context, report)
     return dg.MaterializeResult(metadata=report_metadata(report, "seen"))
 
 
-@dg.asset(deps=[source_documents], group_name=INGESTION, kinds={"unstructured", "postgres"}, pool="postgres",
+@dg.asset(deps=[source_documents], partitions_def=sources, group_name=INGESTION, kinds={"unstructured", "postgres"},
           retry_policy=dg.RetryPolicy(max_retries=1))
 def parsed_elements(context: dg.AssetExecutionContext, kb: KnowledgeBase) -> dg.MaterializeResult:
     """Elements (category, page, section path) of every document whose bytes changed, parsed by unstructured."""
     from pipelines.parse import parse_pending
 
-    with kb.connect() as conn:
-        report = parse_pending(conn)
-    for failure in report.failures:
-        context.log.warning(str(failure))
+    with locked_source(kb, context) as (conn, source_ids):
+        report = parse_pending(conn, source_ids)
+    _log_failures(context, report)
     return dg.MaterializeResult(metadata=report_metadata(report, "elements"))
 
 
-@dg.asset(deps=[parsed_elements], group_name=INGESTION, kinds={"python", "postgres"}, code_version=CHUNKER_VERSION)
-def chunk_drafts(kb: KnowledgeBase) -> dg.MaterializeResult:
+@dg.asset(deps=[parsed_elements], partitions_def=sources, group_name=INGESTION, kinds={"python", "postgres"},
+          code_version=CHUNKER_VERSION)
+def chunk_drafts(context: dg.AssetExecutionContext, kb: KnowledgeBase) -> dg.MaterializeResult:
     """Heading-, sentence- and table-aware chunks of changed documents, sized to the embedding model's limit."""
     from pipelines.drafts import chunk_pending
 
-    with kb.connect() as conn:
-        report = chunk_pending(conn, kb.embedder.counter)
+    with locked_source(kb, context) as (conn, source_ids):
+        report = chunk_pending(conn, kb.embedder.counter, source_ids)
     return dg.MaterializeResult(metadata=report_metadata(report, "chunks"))
 
 
-@dg.asset(deps=[chunk_drafts], group_name=INGESTION, kinds={"python", "postgres"}, code_version=ENRICH_VERSION)
-def enriched_chunks(kb: KnowledgeBase) -> dg.MaterializeResult:
+@dg.asset(deps=[chunk_drafts], partitions_def=sources, group_name=INGESTION, kinds={"python", "postgres"},
+          code_version=ENRICH_VERSION)
+def enriched_chunks(context: dg.AssetExecutionContext, kb: KnowledgeBase) -> dg.MaterializeResult:
     """Drafts with their embedded text (title + section path + text), text hash and extracted entities."""
     from pipelines.drafts import enrich_pending
 
-    with kb.connect() as conn:
-        report = enrich_pending(conn, kb.embedder.counter)
+    with locked_source(kb, context) as (conn, source_ids):
+        report = enrich_pending(conn, kb.embedder.counter, source_ids)
     return dg.MaterializeResult(metadata=report_metadata(report, "chunks"))
 
 
-@dg.asset(deps=[enriched_chunks], group_name=EMBEDDINGS, kinds={"pytorch", "pgvector"}, pool="embedding_model",
-          retry_policy=dg.RetryPolicy(max_retries=2, delay=10))
-def chunk_embeddings(kb: KnowledgeBase) -> dg.MaterializeResult:
-    """Vectors for embedded texts the current model has not seen; identical text is never embedded twice."""
-    from pipelines.embedding import embed_pending
+@dg.asset(deps=[enriched_chunks], partitions_def=sources, group_name=EMBEDDINGS, kinds={"pytorch", "pgvector"},
+          pool="embedding_model", retry_policy=dg.RetryPolicy(max_retries=2, delay=10))
+def chunk_embeddings(context: dg.AssetExecutionContext, kb: KnowledgeBase) -> dg.MaterializeResult:
+    """Vectors for embedded texts the model has not seen; identical text is never embedded twice."""
+    from pipelines.ingest import embed_all_models
 
-    with kb.connect() as conn:
-        report = embed_pending(conn, kb.embedder)
+    with locked_source(kb, context) as (conn, source_ids):
+        report = embed_all_models(conn, kb.embedder, kb.settings, source_ids)
     metadata = report_metadata(report, "computed")
     metadata["model"] = dg.MetadataValue.text(kb.embedder.model_key)
     return dg.MaterializeResult(metadata=metadata)
 
 
-@dg.asset(deps=[chunk_embeddings], group_name=EMBEDDINGS, kinds={"postgres", "pgvector"}, pool="postgres")
-def published_chunks(kb: KnowledgeBase) -> dg.MaterializeResult:
+@dg.asset(deps=[chunk_embeddings], partitions_def=sources, group_name=EMBEDDINGS, kinds={"postgres", "pgvector"})
+def published_chunks(context: dg.AssetExecutionContext, kb: KnowledgeBase) -> dg.MaterializeResult:
     """The searchable chunks: each document's new version swapped in atomically, replaced chunks kept as history."""
     from pipelines.publish import publish_ready
-    from pipelines.vector_store import ensure_vector_store
 
-    with kb.connect() as conn:
-        table = ensure_vector_store(conn, kb.embedder.model_key, kb.embedder.dimensions)
-        report = publish_ready(conn, table)
+    with locked_source(kb, context) as (conn, source_ids):
+        report = publish_ready(conn, source_ids)
     return dg.MaterializeResult(metadata=report_metadata(report, "chunks_written"))
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import sys
+from datetime import timedelta, timezone
 
 import click
 
@@ -54,16 +55,17 @@ def ingest(paths, source_name, include, exclude, as_json) -> None:
     from pipelines.embedders import make_embedder
     from pipelines.extract import register_source, source_for_path
     from pipelines.ingest import EXIT_FILE_FAILURES, ingest as run_ingest
+    from pipelines.locks import source_locks
 
     if source_name and len(paths) > 1:
         raise click.UsageError("--source names one source: give one path with it")
     settings = load_settings()
     sources = [source_for_path(p, source_name, include, exclude) for p in paths]
-    with connect(settings) as conn:
+    source_ids = [s.source_id for s in sources]
+    with connect(settings) as conn, source_locks(conn, source_ids):
         for source in sources:
             register_source(conn, source)
-        summary = run_ingest(conn, make_embedder(settings), [s.source_id for s in sources],
-                             progress=_progress_factory(not as_json))
+        summary = run_ingest(conn, make_embedder(settings), settings, source_ids, progress=_progress_factory(not as_json))
     data = summary.as_dict()
     lines = [f"{k.replace('_', ' ')}: {v}" for k, v in data.items() if k not in ("errors", "elapsed_s")]
     lines.append("elapsed: " + ", ".join(f"{k} {v:.2f}s" for k, v in data["elapsed_s"].items()))
@@ -83,7 +85,8 @@ def status(as_json) -> None:
     with connect(load_settings()) as conn:
         data = knowledge_base_status(conn)
     text = [f"{s['source_id']} ({s['kind']} {s['location']}): {s['documents']} documents, {s['chunks']} chunks,"
-            f" {s['deleted']} deleted, {s['failed']} failing, last crawled {s['last_crawled_at']}" for s in data["sources"]]
+            f" {s['deleted']} deleted, {s['failed']} failing, {s['stale']} stale, last crawled {s['last_crawled_at']}"
+            for s in data["sources"]]
     text += [f"failing: {f['source_id']}:{f['locator']}: {f['reason']}" for f in data["failures"]]
     text.append(f"models: {', '.join(m['model_key'] + ' (' + m['state'] + ')' for m in data['models']) or 'none'}")
     _emit(data, as_json, "\n".join(text))
@@ -92,17 +95,63 @@ def status(as_json) -> None:
 @main.command()
 @click.argument("query")
 @click.option("--k", default=5, show_default=True, type=click.IntRange(1, 100))
+@click.option("--as-of", "as_of", type=click.DateTime(["%Y-%m-%dT%H:%M:%S%z", "%Y-%m-%dT%H:%M:%S", "%Y-%m-%d"]),
+              help="Answer from the knowledge base as it was at this time (UTC unless an offset is given).")
 @click.option("--json", "as_json", is_flag=True)
-def search(query, k, as_json) -> None:
-    """Search the knowledge base (dense vectors)."""
+def search(query, k, as_of, as_json) -> None:
+    """Search the knowledge base (dense vectors of the active model)."""
     from pipelines.database import connect
-    from pipelines.embedders import make_embedder
+    from pipelines.embedders import embedder_for
     from pipelines.search import dense_search
+    from pipelines.vector_store import active_model
 
     settings = load_settings()
+    if as_of is not None and as_of.tzinfo is None:
+        as_of = as_of.replace(tzinfo=timezone.utc)
     with connect(settings) as conn:
-        hits = dense_search(conn, make_embedder(settings), query, k)
+        model = active_model(conn)
+        if model is None:
+            raise click.ClickException("the knowledge base is empty: run `kb ingest` first")
+        hits = dense_search(conn, embedder_for(model, settings), query, k, as_of=as_of)
     text = "\n\n".join(
         f"{i}. [{h.score:.3f}] {h.source}:{h.document}" + (f" > {' > '.join(h.section_path)}" if h.section_path else "")
         + f"\n   {h.content[:300]}" for i, h in enumerate(hits, 1)) or "no results"
-    _emit({"query": query, "k": k, "chunks": [h.as_dict() for h in hits]}, as_json, text)
+    _emit({"query": query, "k": k, "as_of": as_of, "chunks": [h.as_dict() for h in hits]}, as_json, text)
+
+
+@main.command()
+@click.argument("document")
+@click.option("--json", "as_json", is_flag=True)
+def history(document, as_json) -> None:
+    """A document's versions (DOCUMENT is `path` or `source:path`): when, content hash, chunks added/closed/kept."""
+    from pipelines.database import connect
+    from pipelines.history import document_history
+
+    with connect(load_settings()) as conn:
+        versions = document_history(conn, document)
+    if not versions:
+        raise click.ClickException(f"no history for {document!r}")
+    text = "\n".join(f"v{v['version']} {v['recorded_at']:%Y-%m-%d %H:%M:%S} {v['event']:<9} {v['content_hash'] or '-'}"
+                     f"  +{v['chunks_added']} -{v['chunks_closed']} ={v['chunks_kept']}" for v in versions)
+    _emit(versions, as_json, text)
+
+
+@main.command()
+@click.option("--freshness-hours", type=float, help="Override KB_FRESHNESS_HOURS.")
+@click.option("--json", "as_json", is_flag=True)
+def sweep(freshness_hours, as_json) -> None:
+    """Flag documents whose source was not crawled within the freshness window; purge old history if
+    KB_RETENTION_DAYS is set."""
+    from pipelines.database import connect
+    from pipelines.history import purge_history
+    from pipelines.staleness import sweep as run_sweep
+
+    settings = load_settings()
+    window = timedelta(hours=freshness_hours if freshness_hours is not None else settings.freshness_hours)
+    with connect(settings) as conn:
+        data = run_sweep(conn, window)
+        if settings.retention_days is not None:
+            data["retention"] = purge_history(conn, settings.retention_days)
+    text = [f"{data['stale_documents']} stale documents (oldest crawl {data['oldest_crawl']})"]
+    text += [f"  {s['source_id']}: {s['stale_documents']} stale, last crawled {s['last_crawled_at']}" for s in data["sources"]]
+    _emit(data, as_json, "\n".join(text))

@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import os
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 from functools import cached_property
 from typing import Protocol
 
@@ -108,3 +109,17 @@ class OpenAIEmbedder:
 
 def make_embedder(settings: Settings) -> Embedder:
     return OpenAIEmbedder(settings) if settings.embedder == "openai" else LocalEmbedder()
+
+
+def embedder_for(model_key: str, settings: Settings) -> Embedder:
+    """The embedder that produced a stored model's vectors (search must embed queries in the same space)."""
+    configured = make_embedder(settings)
+    if configured.model_key == model_key:
+        return configured
+    if model_key == LocalEmbedder.model_key:
+        return LocalEmbedder()
+    provider, _, rest = model_key.partition(":")
+    name, _, dims = rest.rpartition(":")
+    if provider != "openai" or not dims.isdigit():
+        raise ValueError(f"do not know how to embed queries for model {model_key!r}")
+    return OpenAIEmbedder(replace(settings, embedder="openai", openai_model=name, openai_dimensions=int(dims)))

@@ -14,15 +14,19 @@ from pipelines.embedders import Embedder
 from pipelines.report import StageReport
 from pipelines.vector_store import ensure_vector_store
 
-# Texts of drafts and of live chunks with no vector in this model's table, in hash order (keyset pages).
+# Texts of drafts and of live chunks with no vector in this model's table, in hash order (keyset pages, so an
+# interrupted run resumes where it stopped). Optionally limited to some sources and to shards of the hash space
+# (first hex digit), which is how a model backfill fans out over Dagster partitions.
 MISSING = """
 SELECT t.text_hash, min(t.embed_text) FROM (
-    SELECT c.text_hash, c.embed_text FROM chunk_drafts c
+    SELECT c.text_hash, c.embed_text, c.document_id FROM chunk_drafts c
     WHERE c.text_hash IS NOT NULL AND c.text_hash > %(after)s
     UNION ALL
-    SELECT c.text_hash, c.embed_text FROM chunks c WHERE c.valid_to IS NULL AND c.text_hash > %(after)s
+    SELECT c.text_hash, c.embed_text, c.document_id FROM chunks c WHERE c.valid_to IS NULL AND c.text_hash > %(after)s
 ) t
 WHERE NOT EXISTS (SELECT 1 FROM {vectors} v WHERE v.text_hash = t.text_hash)
+  AND (%(shards)s::text[] IS NULL OR left(t.text_hash, 1) = ANY(%(shards)s))
+  AND (%(ids)s::text[] IS NULL OR t.document_id IN (SELECT document_id FROM documents WHERE source_id = ANY(%(ids)s)))
 GROUP BY t.text_hash ORDER BY t.text_hash LIMIT %(limit)s
 """
 
@@ -32,13 +36,15 @@ WHERE c.text_hash IS NOT NULL AND EXISTS (SELECT 1 FROM {vectors} v WHERE v.text
 """
 
 
-def embed_pending(conn: psycopg.Connection, embedder: Embedder, batch_size: int = 256, progress=None) -> StageReport:
+def embed_pending(conn: psycopg.Connection, embedder: Embedder, source_ids: list[str] | None = None,
+                  shards: list[str] | None = None, batch_size: int = 256, progress=None) -> StageReport:
     report = StageReport("embed", ("computed", "reused"))
     vectors = sql.Identifier(ensure_vector_store(conn, embedder.model_key, embedder.dimensions))
     report.counts["reused"] = conn.execute(sql.SQL(REUSED).format(vectors=vectors)).fetchone()[0]
     after = ""
     query = sql.SQL(MISSING).format(vectors=vectors)
-    while rows := conn.execute(query, {"after": after, "limit": batch_size}).fetchall():
+    params = {"limit": batch_size, "shards": shards, "ids": source_ids}
+    while rows := conn.execute(query, {**params, "after": after}).fetchall():
         hashes = [r[0] for r in rows]
         embedded = embedder.embed([r[1] for r in rows])
         with conn.transaction():

@@ -222,6 +222,8 @@ def crawl_source(conn: psycopg.Connection, source: Source, report: StageReport, 
         ).fetchone()[0]
         report.counts["deleted"] += deleted
         conn.execute("UPDATE sources SET last_crawled_at = now() WHERE source_id = %s", (source.source_id,))
+        conn.execute("UPDATE documents SET stale_since = NULL WHERE source_id = %s AND stale_since IS NOT NULL",
+                     (source.source_id,))
 
 
 def extract(conn: psycopg.Connection, sources: list[Source]) -> StageReport:

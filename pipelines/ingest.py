@@ -8,13 +8,14 @@ from typing import Callable
 import psycopg
 
 from pipelines.drafts import chunk_pending, enrich_pending
-from pipelines.embedders import Embedder
+from pipelines.embedders import Embedder, embedder_for
 from pipelines.embedding import embed_pending
 from pipelines.extract import extract, load_sources
 from pipelines.parse import parse_pending
 from pipelines.publish import publish_ready
 from pipelines.report import StageReport
-from pipelines.vector_store import ensure_vector_store
+from pipelines.settings import Settings
+from pipelines.vector_store import activate_if_complete, ensure_vector_store, model_tables
 
 # progress(stage, total) -> advance(n); total is None when unknown up front.
 ProgressFactory = Callable[[str, int | None], Callable[[int], None]]
@@ -61,7 +62,19 @@ def _no_progress(stage: str, total: int | None) -> Callable[[int], None]:
     return lambda n: None
 
 
-def ingest(conn: psycopg.Connection, embedder: Embedder, source_ids: list[str] | None = None,
+def embed_all_models(conn: psycopg.Connection, embedder: Embedder, settings: Settings,
+                     source_ids: list[str] | None = None, progress=None) -> StageReport:
+    """Embed with the configured model, and, while a model switch is under way, with the serving one too, so that
+    new documents are searchable before and after the switch. Counters are the configured model's."""
+    ensure_vector_store(conn, embedder.model_key, embedder.dimensions)
+    report = embed_pending(conn, embedder, source_ids, progress=progress)
+    for model_key in model_tables(conn):
+        if model_key != embedder.model_key:
+            embed_pending(conn, embedder_for(model_key, settings), source_ids)
+    return report
+
+
+def ingest(conn: psycopg.Connection, embedder: Embedder, settings: Settings, source_ids: list[str] | None = None,
            progress: ProgressFactory = _no_progress) -> IngestSummary:
     """Run every stage over the given sources (all registered sources when None)."""
     summary = IngestSummary()
@@ -73,9 +86,9 @@ def ingest(conn: psycopg.Connection, embedder: Embedder, source_ids: list[str] |
     summary.stages.append(parse_pending(conn, source_ids, progress=progress("parse", pending)))
     summary.stages.append(chunk_pending(conn, embedder.counter, source_ids))
     summary.stages.append(enrich_pending(conn, embedder.counter, source_ids))
-    summary.stages.append(embed_pending(conn, embedder, progress=progress("embed", None)))
-    table = ensure_vector_store(conn, embedder.model_key, embedder.dimensions)
-    summary.stages.append(publish_ready(conn, table, source_ids))
+    summary.stages.append(embed_all_models(conn, embedder, settings, source_ids, progress("embed", None)))
+    summary.stages.append(publish_ready(conn, source_ids))
+    activate_if_complete(conn, embedder.model_key)
     conn.execute("UPDATE ingest_runs SET finished_at = now(), counters = %s WHERE run_id = %s",
                  (summary.as_dict(), run_id))
     return summary

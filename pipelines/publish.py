@@ -18,8 +18,9 @@ from pipelines.chunking import CHUNKER_VERSION
 from pipelines.drafts import publish_key
 from pipelines.enrich import ENRICH_VERSION
 from pipelines.report import StageReport
+from pipelines.vector_store import model_tables
 
-# Documents whose drafts are all enriched and embedded for the current model.
+# Documents whose drafts are all enriched and embedded in every model that serves or is being built.
 READY = """
 SELECT d.document_id, d.content_hash
 FROM documents d
@@ -28,8 +29,7 @@ WHERE d.deleted_at IS NULL
   AND NOT EXISTS (
       SELECT 1 FROM chunk_drafts c
       WHERE c.document_id = d.document_id
-        AND (c.enrich_version IS DISTINCT FROM %(enricher)s
-             OR NOT EXISTS (SELECT 1 FROM {vectors} v WHERE v.text_hash = c.text_hash)))
+        AND (c.enrich_version IS DISTINCT FROM %(enricher)s OR {missing_vector}))
   AND (%(ids)s::text[] IS NULL OR d.source_id = ANY(%(ids)s))
 ORDER BY d.document_id
 """
@@ -84,12 +84,13 @@ def publish_batch(conn: psycopg.Connection, batch: list[tuple[int, str]], report
             drafts_by_doc[row[0]].append(row)
         for row in live:
             live_by_doc[row[0]].append(row[1:])
-        kept, inserts, closed = [], [], []
-        for doc_id in ids:
+        kept, inserts, closed, versions = [], [], [], []
+        for doc_id, content_hash in batch:
             k, i, c = _diff(drafts_by_doc[doc_id], live_by_doc[doc_id])
             kept += k
             inserts += i
             closed += c
+            versions.append((doc_id, content_hash, len(i), len(c), len(drafts_by_doc[doc_id]) - len(i)))
         if closed:
             conn.execute("UPDATE chunks SET valid_to = now() WHERE chunk_id = ANY(%s)", (closed,))
         if kept:
@@ -102,6 +103,11 @@ def publish_batch(conn: psycopg.Connection, batch: list[tuple[int, str]], report
             " WHERE d.document_id = u.id",
             (ids, [publish_key(h) for _, h in batch]),
         )
+        conn.execute(
+            "SELECT kb_record_version(v.id, 'published', v.hash, v.added, v.closed, v.kept)"
+            " FROM unnest(%s::bigint[], %s::text[], %s::int[], %s::int[], %s::int[]) AS v(id, hash, added, closed, kept)",
+            [list(column) for column in zip(*versions)],
+        )
         conn.execute("DELETE FROM chunk_drafts WHERE document_id = ANY(%s)", (ids,))
     report.counts["documents"] += len(batch)
     report.counts["chunks_inserted"] += len(inserts)
@@ -110,10 +116,15 @@ def publish_batch(conn: psycopg.Connection, batch: list[tuple[int, str]], report
     report.counts["chunks_kept"] += sum(len(drafts_by_doc[d]) for d in ids) - len(inserts)
 
 
-def publish_ready(conn: psycopg.Connection, model_table: str, source_ids: list[str] | None = None,
-                  batch_size: int = 64) -> StageReport:
+def publish_ready(conn: psycopg.Connection, source_ids: list[str] | None = None, batch_size: int = 64) -> StageReport:
     report = StageReport("publish", ("documents", "chunks_inserted", "chunks_updated", "chunks_closed", "chunks_kept"))
-    ready = conn.execute(sql.SQL(READY).format(vectors=sql.Identifier(model_table)),
+    tables = model_tables(conn).values()
+    if not tables:
+        raise LookupError("no embedding model registered: run the embed stage first")
+    missing = sql.SQL(" OR ").join(
+        sql.SQL("NOT EXISTS (SELECT 1 FROM {} v WHERE v.text_hash = c.text_hash)").format(sql.Identifier(table))
+        for table in tables)
+    ready = conn.execute(sql.SQL(READY).format(missing_vector=missing),
                          {"enricher": ENRICH_VERSION, "ids": source_ids}).fetchall()
     for start in range(0, len(ready), batch_size):
         publish_batch(conn, ready[start:start + batch_size], report)

@@ -26,6 +26,9 @@ class Settings:
     openai_max_retries: int = 6
     openai_timeout_s: float = 60.0
     batch_documents: int = 64
+    freshness_hours: float = 24.0
+    retention_days: int | None = None  # purge closed versions older than this; None keeps all history
+    refresh_cron: str = "0 * * * *"
     sources: dict[str, str] = field(default_factory=dict)
 
     @property
@@ -63,5 +66,8 @@ def load_settings() -> Settings:
         openai_concurrency=int(env.get("KB_OPENAI_CONCURRENCY", "4")),
         openai_max_retries=int(env.get("KB_OPENAI_MAX_RETRIES", "6")),
         batch_documents=int(env.get("KB_BATCH_DOCUMENTS", "64")),
+        freshness_hours=float(env.get("KB_FRESHNESS_HOURS", "24")),
+        retention_days=int(env["KB_RETENTION_DAYS"]) if env.get("KB_RETENTION_DAYS") else None,
+        refresh_cron=env.get("KB_REFRESH_CRON", "0 * * * *"),
         sources=_parse_sources(env.get("KB_SOURCES", DEFAULT_SOURCES)),
     )

@@ -11,7 +11,9 @@ SELECT s.source_id, s.kind, s.location, s.last_crawled_at,
        (SELECT count(*) FROM documents d WHERE d.source_id = s.source_id AND d.deleted_at IS NOT NULL) AS deleted,
        (SELECT count(*) FROM chunks c JOIN documents d USING (document_id)
          WHERE d.source_id = s.source_id AND c.valid_to IS NULL) AS chunks,
-       (SELECT count(*) FROM failures f WHERE f.source_id = s.source_id) AS failed
+       (SELECT count(*) FROM failures f WHERE f.source_id = s.source_id) AS failed,
+       (SELECT count(*) FROM documents d WHERE d.source_id = s.source_id AND d.stale_since IS NOT NULL
+          AND d.deleted_at IS NULL) AS stale
 FROM sources s ORDER BY s.source_id
 """
 

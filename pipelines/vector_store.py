@@ -46,3 +46,35 @@ def vector_table(conn: psycopg.Connection, model_key: str) -> sql.Identifier:
     if row is None:
         raise LookupError(f"no vectors stored for model {model_key}; run `kb ingest` with it first")
     return sql.Identifier(row[0])
+
+
+def model_tables(conn: psycopg.Connection, states: tuple[str, ...] = ("active", "building")) -> dict[str, str]:
+    """model_key -> vector table, for the models in the given states."""
+    rows = conn.execute("SELECT model_key, vector_table FROM embedding_models WHERE state = ANY(%s) ORDER BY created_at",
+                        (list(states),)).fetchall()
+    return dict(rows)
+
+
+def active_model(conn: psycopg.Connection) -> str | None:
+    row = conn.execute("SELECT model_key FROM embedding_models WHERE state = 'active'").fetchone()
+    return row[0] if row else None
+
+
+MISSING_LIVE = "SELECT count(*) FROM chunks c WHERE c.valid_to IS NULL AND NOT EXISTS (SELECT 1 FROM {} v WHERE v.text_hash = c.text_hash)"
+
+
+def activate_if_complete(conn: psycopg.Connection, model_key: str) -> bool:
+    """Switch search to a model being built once every live chunk has its vector, in one transaction, then drop
+    the previous model's table and index. Returns True when the model is (now) the active one."""
+    with conn.transaction():
+        state, table = conn.execute("SELECT state, vector_table FROM embedding_models WHERE model_key = %s FOR UPDATE",
+                                    (model_key,)).fetchone()
+        if state == "active":
+            return True
+        if conn.execute(sql.SQL(MISSING_LIVE).format(sql.Identifier(table))).fetchone()[0]:
+            return False
+        retired = conn.execute("UPDATE embedding_models SET state = 'retired' WHERE state = 'active' RETURNING vector_table").fetchall()
+        conn.execute("UPDATE embedding_models SET state = 'active', activated_at = now() WHERE model_key = %s", (model_key,))
+        for (old_table,) in retired:
+            conn.execute(sql.SQL("DROP TABLE IF EXISTS {}").format(sql.Identifier(old_table)))
+    return True

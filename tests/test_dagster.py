@@ -5,7 +5,8 @@ import sys
 
 import dagster as dg
 
-from assets.definitions import defs, ingest_job
+from assets.automation import ingest_job, source_change_sensor
+from assets.definitions import defs
 from assets.ingestion import ASSETS
 from assets.resources import KnowledgeBase
 
@@ -27,28 +28,48 @@ def test_loading_definitions_imports_neither_torch_nor_unstructured():
 
 def test_assets_materialize_in_process_and_report_metadata(settings, tmp_path):
     with dg.instance_for_test(temp_dir=str(tmp_path)) as instance:
-        result = dg.materialize(ASSETS, resources={"kb": KnowledgeBase()}, instance=instance,
-                                selection=[a.key for a in ASSETS])
+        result = dg.materialize(ASSETS, resources={"kb": KnowledgeBase()}, instance=instance, partition_key="samples")
         assert result.success
         meta = {e.asset_key.path[-1]: e.step_materialization_data.materialization.metadata
                 for e in result.get_asset_materialization_events()}
-        assert meta["source_documents"]["seen"].value == 13
-        assert meta["source_documents"]["new"].value == 13
+        assert meta["source_documents"]["seen"].value == 9
+        assert meta["source_documents"]["new"].value == 9
         assert meta["parsed_elements"]["parsed"].value == 9
         assert meta["chunk_embeddings"]["computed"].value == meta["published_chunks"]["chunks_inserted"].value > 0
         assert "elapsed_s" in meta["published_chunks"]
 
-        rerun = dg.materialize(ASSETS, resources={"kb": KnowledgeBase()}, instance=instance)
+        rerun = dg.materialize(ASSETS, resources={"kb": KnowledgeBase()}, instance=instance, partition_key="samples")
         again = {e.asset_key.path[-1]: e.step_materialization_data.materialization.metadata
                  for e in rerun.get_asset_materialization_events()}
-        assert again["source_documents"]["unchanged"].value == 13
+        assert again["source_documents"]["unchanged"].value == 9
         assert again["chunk_embeddings"]["computed"].value == 0
         assert again["published_chunks"]["chunks_written"].value == 0
 
 
 def test_the_searchability_check_passes_after_ingest(settings, tmp_path):
     with dg.instance_for_test(temp_dir=str(tmp_path)) as instance:
-        result = dg.materialize([*ASSETS, *defs.asset_checks], resources={"kb": KnowledgeBase()}, instance=instance)
+        result = dg.materialize([*ASSETS, *defs.asset_checks], resources={"kb": KnowledgeBase()}, instance=instance,
+                                partition_key="faq")
         checks = result.get_asset_check_evaluations()
         assert [c.check_name for c in checks] == ["every_live_chunk_is_searchable"]
         assert checks[0].passed and checks[0].metadata["without_vector"].value == 0
+
+
+def test_sensor_requests_a_refresh_only_for_sources_that_changed(settings, samples_copy, monkeypatch, tmp_path):
+    from pipelines.settings import SAMPLES_DIR
+
+    monkeypatch.setenv("KB_SOURCES", f"samples={samples_copy};faq={SAMPLES_DIR / 'faq.jsonl'}")
+    with dg.instance_for_test(temp_dir=str(tmp_path)) as instance:
+        first = source_change_sensor(dg.build_sensor_context(instance=instance))
+        assert sorted(r.partition_key for r in first) == ["faq", "samples"]
+        context = dg.build_sensor_context(instance=instance, cursor=_cursor_after(first))
+        assert list(source_change_sensor(context)) == []
+        (samples_copy / "handbook" / "new-policy.md").write_text("# New policy\n\nEffective immediately.")
+        context = dg.build_sensor_context(instance=instance, cursor=_cursor_after(first))
+        assert [r.partition_key for r in source_change_sensor(context)] == ["samples"]
+
+
+def _cursor_after(requests) -> str:
+    import json
+
+    return json.dumps({r.partition_key: r.run_key.split(":", 1)[1] for r in requests}, sort_keys=True)

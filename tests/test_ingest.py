@@ -11,7 +11,7 @@ from pipelines.cli import main
 from pipelines.extract import register_source, source_for_path
 from pipelines.ingest import EXIT_FILE_FAILURES, ingest
 from pipelines.search import dense_search
-from pipelines.settings import SAMPLES_DIR
+from pipelines.settings import SAMPLES_DIR, load_settings
 
 CONTENT_TABLES = ("documents", "elements", "chunks", "chunk_drafts", "vectors_local_all_minilm_l6_v2_384")
 
@@ -36,7 +36,7 @@ def snapshot(conn) -> dict:
 def ingest_samples(conn, embedder, docs=SAMPLES_DIR / "docs"):
     register_source(conn, source_for_path(docs, "samples"))
     register_source(conn, source_for_path(SAMPLES_DIR / "faq.jsonl", "faq"))
-    return ingest(conn, embedder)
+    return ingest(conn, embedder, load_settings())
 
 
 def test_sample_corpus_is_ingested_with_chunks_metadata_and_vectors(conn, embedder):

@@ -141,9 +141,9 @@ def test_concurrency_is_bounded(settings):
 
 def test_full_ingest_through_the_openai_path(conn, settings):
     with FakeOpenAI() as fake:
-        embedder = make_embedder(openai_settings(settings, fake))
+        openai = openai_settings(settings, fake)
         register_source(conn, source_for_path(SAMPLES_DIR / "faq.jsonl", "faq"))
-        counters = ingest(conn, embedder).counters()
+        counters = ingest(conn, make_embedder(openai), openai).counters()
     assert counters["documents_published"] == 4
     assert counters["embeddings_computed"] == counters["chunks_inserted"] == sum(fake.batches)
     assert conn.execute("SELECT vector_table FROM embedding_models").fetchone()[0] == "vectors_openai_fake_embed_8"

@@ -1,0 +1,43 @@
+"""Version history: what `kb history` shows, and the retention purge of old closed versions."""
+
+from __future__ import annotations
+
+import psycopg
+from psycopg.rows import dict_row
+
+HISTORY = """
+SELECT v.version, v.event, v.recorded_at, v.content_hash, v.chunks_added, v.chunks_closed, v.chunks_kept
+FROM document_versions v JOIN documents d USING (document_id)
+WHERE d.locator = %(locator)s AND (%(source)s::text IS NULL OR d.source_id = %(source)s)
+ORDER BY d.source_id, v.version
+"""
+
+
+def document_history(conn: psycopg.Connection, locator: str, source_id: str | None = None) -> list[dict]:
+    """Versions of a document given as `locator` or `source:locator`."""
+    if source_id is None and ":" in locator:
+        candidate, _, rest = locator.partition(":")
+        if conn.execute("SELECT 1 FROM sources WHERE source_id = %s", (candidate,)).fetchone():
+            source_id, locator = candidate, rest
+    with conn.cursor(row_factory=dict_row) as cur:
+        return cur.execute(HISTORY, {"locator": locator, "source": source_id}).fetchall()
+
+
+PURGE = """
+WITH purged AS (
+    DELETE FROM chunks WHERE valid_to < now() - make_interval(days => %(days)s) RETURNING 1
+)
+SELECT count(*) FROM purged
+"""
+
+
+def purge_history(conn: psycopg.Connection, older_than_days: int) -> dict[str, int]:
+    """Delete chunks closed more than N days ago, then vectors no chunk uses any more (per model table)."""
+    with conn.transaction():
+        chunks = conn.execute(PURGE, {"days": older_than_days}).fetchone()[0]
+        vectors = 0
+        for (table,) in conn.execute("SELECT vector_table FROM embedding_models WHERE state <> 'retired'").fetchall():
+            vectors += conn.execute(
+                f"DELETE FROM {table} v WHERE NOT EXISTS (SELECT 1 FROM chunks c WHERE c.text_hash = v.text_hash)"
+            ).rowcount
+    return {"chunks_purged": chunks, "vectors_purged": vectors}

@@ -1,0 +1,24 @@
+"""Per-source advisory locks: two runs of one source never interleave; runs of different sources do not wait."""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from typing import Iterator
+
+import psycopg
+
+_NAMESPACE = 0x6B62  # "kb": the first key of the two-key advisory lock
+
+
+@contextmanager
+def source_locks(conn: psycopg.Connection, source_ids: list[str]) -> Iterator[None]:
+    """Hold a session-level lock per source (taken in sorted order, so two runs can never deadlock)."""
+    held = []
+    try:
+        for source_id in sorted(set(source_ids)):
+            conn.execute("SELECT pg_advisory_lock(%s, hashtext(%s))", (_NAMESPACE, source_id))
+            held.append(source_id)
+        yield
+    finally:
+        for source_id in reversed(held):
+            conn.execute("SELECT pg_advisory_unlock(%s, hashtext(%s))", (_NAMESPACE, source_id))

@@ -1,0 +1,44 @@
+"""Staleness sweeps: flag documents whose source has not been crawled within its freshness window."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+import psycopg
+from psycopg.rows import dict_row
+
+FLAG = """
+UPDATE documents d SET stale_since = now()
+FROM sources s
+WHERE d.source_id = s.source_id AND d.deleted_at IS NULL AND d.stale_since IS NULL
+  AND (s.last_crawled_at IS NULL OR s.last_crawled_at < now() - %(window)s)
+"""
+UNFLAG = """
+UPDATE documents d SET stale_since = NULL
+FROM sources s
+WHERE d.source_id = s.source_id AND d.stale_since IS NOT NULL
+  AND (d.deleted_at IS NOT NULL OR s.last_crawled_at >= now() - %(window)s)
+"""
+PER_SOURCE = """
+SELECT s.source_id, s.last_crawled_at, count(d.*) FILTER (WHERE d.stale_since IS NOT NULL) AS stale_documents,
+       min(d.stale_since) AS stale_since
+FROM sources s LEFT JOIN documents d ON d.source_id = s.source_id AND d.deleted_at IS NULL
+GROUP BY s.source_id, s.last_crawled_at ORDER BY s.source_id
+"""
+
+
+def sweep(conn: psycopg.Connection, freshness: timedelta) -> dict:
+    """Flag (and un-flag) stale documents; returns the count, the oldest crawl and a per-source breakdown."""
+    with conn.transaction():
+        flagged = conn.execute(FLAG, {"window": freshness}).rowcount
+        cleared = conn.execute(UNFLAG, {"window": freshness}).rowcount
+    with conn.cursor(row_factory=dict_row) as cur:
+        per_source = cur.execute(PER_SOURCE).fetchall()
+    stale = [s for s in per_source if s["stale_documents"]]
+    return {
+        "stale_documents": sum(s["stale_documents"] for s in per_source),
+        "newly_flagged": flagged,
+        "cleared": cleared,
+        "oldest_crawl": min((s["last_crawled_at"] for s in stale if s["last_crawled_at"]), default=None),
+        "sources": per_source,
+    }
