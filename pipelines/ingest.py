@@ -67,10 +67,11 @@ def embed_all_models(conn: psycopg.Connection, embedder: Embedder, settings: Set
     """Embed with the configured model, and, while a model switch is under way, with the serving one too, so that
     new documents are searchable before and after the switch. Counters are the configured model's."""
     ensure_vector_store(conn, embedder.model_key, embedder.dimensions)
-    report = embed_pending(conn, embedder, source_ids, progress=progress)
+    batch = settings.embed_batch_size
+    report = embed_pending(conn, embedder, source_ids, batch_size=batch, progress=progress)
     for model_key in model_tables(conn):
         if model_key != embedder.model_key:
-            embed_pending(conn, embedder_for(model_key, settings), source_ids)
+            embed_pending(conn, embedder_for(model_key, settings), source_ids, batch_size=batch)
     return report
 
 
@@ -87,7 +88,7 @@ def ingest(conn: psycopg.Connection, embedder: Embedder, settings: Settings, sou
     summary.stages.append(chunk_pending(conn, embedder.counter, source_ids))
     summary.stages.append(enrich_pending(conn, embedder.counter, source_ids))
     summary.stages.append(embed_all_models(conn, embedder, settings, source_ids, progress("embed", None)))
-    summary.stages.append(publish_ready(conn, source_ids))
+    summary.stages.append(publish_ready(conn, source_ids, batch_size=settings.batch_documents))
     activate_if_complete(conn, embedder.model_key)
     conn.execute("UPDATE ingest_runs SET finished_at = now(), counters = %s WHERE run_id = %s",
                  (summary.as_dict(), run_id))

@@ -150,15 +150,17 @@ def parse_pending(conn: psycopg.Connection, source_ids: list[str] | None = None,
                 report.fail(failure)
                 with conn.transaction():
                     record_failure(conn, failure, content_hash)
+                if progress:
+                    progress(1)
                 continue
             parsed.append((doc_id, content_hash, doc))
             ok_by_source.setdefault(source_id, []).append(locator)
+            if progress:
+                progress(1)
         with conn.transaction():
             if parsed:
                 report.counts["elements"] += write_elements(conn, parsed)
             for source_id, locators in ok_by_source.items():
                 clear_failures(conn, source_id, locators, STAGE)
         report.counts["parsed"] += len(parsed)
-        if progress:
-            progress(len(batch))
     return report.finish()

@@ -1,0 +1,242 @@
+"""Incremental refresh scenarios on a real PostgreSQL: edits, metadata-only changes, deletes and restores,
+chunker and model changes, crashes and concurrent runs."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from datetime import datetime, timedelta, timezone
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from pipelines import drafts, publish
+from pipelines.database import connect
+from pipelines.extract import register_source, source_for_path
+from pipelines.history import document_history, purge_history
+from pipelines.ingest import ingest
+from pipelines.locks import source_locks
+from pipelines.search import dense_search
+from pipelines.settings import load_settings
+from pipelines.staleness import sweep
+from pipelines.vector_store import active_model, model_tables
+
+POLICY = "handbook/leave-policy.md"
+
+
+class CountingEmbedder:
+    def __init__(self, inner):
+        self.inner, self.texts = inner, []
+        self.model_key, self.dimensions, self.counter = inner.model_key, inner.dimensions, inner.counter
+
+    def embed(self, texts):
+        self.texts += texts
+        return self.inner.embed(texts)
+
+
+def run(conn, embedder, docs):
+    register_source(conn, source_for_path(docs, "samples"))
+    counting = CountingEmbedder(embedder)
+    summary = ingest(conn, counting, load_settings(), ["samples"])
+    return summary.counters(), counting.texts
+
+
+def live_texts(conn, locator=POLICY):
+    return [r[0] for r in conn.execute(
+        "SELECT c.text FROM chunks c JOIN documents d USING (document_id) WHERE d.locator = %s AND c.valid_to IS NULL"
+        " ORDER BY c.ordinal", (locator,))]
+
+
+def test_editing_one_section_re_embeds_only_its_chunks_and_keeps_history(conn, embedder, samples_copy):
+    run(conn, embedder, samples_copy)
+    before = live_texts(conn)
+    ids_before = dict(conn.execute("SELECT text, chunk_id FROM chunks WHERE valid_to IS NULL").fetchall())
+    time.sleep(0.05)
+    between = datetime.now(timezone.utc)
+    time.sleep(0.05)
+    path = samples_copy / POLICY
+    path.write_text(path.read_text().replace("up to 10 days of paid family care leave", "up to 12 days of paid family care leave"))
+
+    counters, embedded = run(conn, embedder, samples_copy)
+    assert counters["documents_changed"] == 1 and counters["documents_unchanged"] == 8
+    assert len(embedded) == counters["embeddings_computed"] == 1 and "12 days" in embedded[0]
+    assert counters["chunks_inserted"] == counters["chunks_closed"] == 1
+    after = live_texts(conn)
+    assert [t for t in after if t not in before] == [t for t in after if "12 days" in t]
+    for text in after:  # untouched chunks keep their rows (and so their vectors)
+        if text in ids_before:
+            assert conn.execute("SELECT chunk_id FROM chunks WHERE text = %s AND valid_to IS NULL", (text,)).fetchone()[0] == ids_before[text]
+    closed = conn.execute("SELECT text FROM chunks WHERE valid_to IS NOT NULL").fetchall()
+    assert len(closed) == 1 and "10 days" in closed[0][0]
+
+    query = "how many days of family care leave per year"
+    now_hit = dense_search(conn, embedder, query, k=1)[0]
+    old_hit = dense_search(conn, embedder, query, k=1, as_of=between)[0]
+    assert "12 days" in now_hit.content and "10 days" in old_hit.content
+
+    versions = document_history(conn, f"samples:{POLICY}")
+    assert [(v["version"], v["event"], v["chunks_added"], v["chunks_closed"]) for v in versions] == [
+        (1, "published", 8, 0), (2, "published", 1, 1)]
+    assert versions[1]["chunks_kept"] == 7
+
+
+def test_metadata_only_change_calls_no_model(conn, embedder, samples_copy):
+    run(conn, embedder, samples_copy)
+    path = samples_copy / "products/avx-series-manual.html"
+    path.write_text(path.read_text().replace("Technical Publications", "Service Documentation Team"))
+    counters, embedded = run(conn, embedder, samples_copy)
+    assert counters["documents_changed"] == 1
+    assert embedded == [] and counters["chunks_written"] == 0
+    author = conn.execute("SELECT metadata->>'author' FROM documents WHERE locator = %s", ("products/avx-series-manual.html",)).fetchone()[0]
+    assert author == "Northwind Robotics Service Documentation Team"
+
+
+def test_delete_then_restore_re_embeds_nothing(conn, embedder, samples_copy):
+    run(conn, embedder, samples_copy)
+    path = samples_copy / POLICY
+    content = path.read_bytes()
+    path.unlink()
+    counters, _ = run(conn, embedder, samples_copy)
+    assert counters["documents_deleted"] == 1
+    assert live_texts(conn) == []
+    assert all(h.document != POLICY for h in dense_search(conn, embedder, "parental leave weeks", k=10))
+
+    path.write_bytes(content)
+    counters, embedded = run(conn, embedder, samples_copy)
+    assert embedded == [] and counters["embeddings_computed"] == 0
+    assert len(live_texts(conn)) == 8
+    assert dense_search(conn, embedder, "parental leave weeks", k=1)[0].document == POLICY
+    assert [v["event"] for v in document_history(conn, POLICY)] == ["published", "deleted", "published"]
+
+
+def test_chunker_version_bump_rechunks_from_stored_elements_without_parsing(conn, embedder, samples_copy, monkeypatch):
+    run(conn, embedder, samples_copy)
+    monkeypatch.setattr(drafts, "CHUNKER_VERSION", "chunker-test-bump")
+    monkeypatch.setattr(publish, "CHUNKER_VERSION", "chunker-test-bump")
+    register_source(conn, source_for_path(samples_copy, "samples"))
+    summary = ingest(conn, CountingEmbedder(embedder), load_settings(), ["samples"])
+    assert summary.stage("parse").counts["parsed"] == 0
+    assert summary.stage("chunk").counts["documents"] == 9
+    assert summary.counters()["embeddings_computed"] == 0  # same chunk texts: the vectors are reused
+    versions = {r[0] for r in conn.execute("SELECT DISTINCT chunker_version FROM chunks WHERE valid_to IS NULL")}
+    assert versions == {"chunker-test-bump"}
+
+
+def test_model_switch_builds_beside_the_serving_model_and_switches_atomically(conn, embedder, samples_copy, settings):
+    from fake_openai import FakeOpenAI, openai_settings
+    from pipelines.embedders import OpenAIEmbedder
+    from pipelines.embedding import embed_pending
+    from pipelines.vector_store import activate_if_complete, ensure_vector_store
+
+    run(conn, embedder, samples_copy)
+    old_table = model_tables(conn)[embedder.model_key]
+    with FakeOpenAI() as fake:
+        new = OpenAIEmbedder(openai_settings(settings, fake))
+        ensure_vector_store(conn, new.model_key, new.dimensions)
+        # Half a backfill (interrupted): search still answers from the serving model.
+        embed_pending(conn, new, shards=list("01234567"))
+        assert not activate_if_complete(conn, new.model_key)
+        assert active_model(conn) == embedder.model_key
+        assert dense_search(conn, embedder, "fault code encoder signal lost", k=1)[0].document
+        # Resume: only what is missing is embedded, then the switch happens and the old table and index go.
+        first_half = sum(fake.batches)
+        embed_pending(conn, new)
+        total = conn.execute("SELECT count(DISTINCT text_hash) FROM chunks WHERE valid_to IS NULL").fetchone()[0]
+        assert sum(fake.batches) == total and first_half < total
+        assert activate_if_complete(conn, new.model_key)
+        assert active_model(conn) == new.model_key
+        assert conn.execute("SELECT to_regclass(%s)", (old_table,)).fetchone()[0] is None
+        hits = dense_search(conn, new, "fault code encoder signal lost", k=3)
+        assert len(hits) == 3
+
+
+CONTENT = {
+    "documents": "SELECT source_id, locator, content_hash, parsed_hash, published_key, title, metadata, deleted_at IS NULL FROM documents",
+    "elements": "SELECT d.locator, e.seq, e.category, e.text, e.section_path FROM elements e JOIN documents d USING (document_id)",
+    "chunks": "SELECT d.locator, c.ordinal, c.text, c.embed_text, c.text_hash, c.entities, c.valid_to IS NULL FROM chunks c JOIN documents d USING (document_id)",
+    "vectors": "SELECT text_hash FROM vectors_local_all_minilm_l6_v2_384",
+    "drafts": "SELECT document_id FROM chunk_drafts",
+}
+
+
+def content_of(conn) -> dict:
+    return {name: sorted(map(repr, conn.execute(query).fetchall())) for name, query in CONTENT.items()}
+
+
+def vectors_of(conn) -> dict:
+    rows = conn.execute("SELECT text_hash, embedding FROM vectors_local_all_minilm_l6_v2_384").fetchall()
+    return {h: v.to_numpy() for h, v in rows}
+
+
+@pytest.mark.parametrize("kill_at", ["parse: 4/", "embed: "])
+def test_a_run_killed_mid_way_converges_to_the_clean_state(settings, embedder, samples_copy, kill_at):
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "KB_EMBED_BATCH_SIZE": "8"}
+    cmd = [str(Path(sys.executable).parent / "kb"), "ingest", str(samples_copy), "--source", "samples"]
+    proc = subprocess.Popen(cmd, env=env, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True)
+    for line in proc.stderr:  # progress lines are plain on a pipe: kill at the chosen one
+        if line.startswith(kill_at):
+            proc.send_signal(signal.SIGKILL)
+            break
+    proc.wait()
+    assert proc.returncode == -signal.SIGKILL
+    with connect(settings) as conn:
+        assert conn.execute("SELECT count(*) FROM chunks").fetchone()[0] == 0  # nothing half-published
+    assert subprocess.run(cmd, env=env, capture_output=True).returncode == 0
+    with connect(settings) as conn:
+        resumed, resumed_vectors = content_of(conn), vectors_of(conn)
+        conn.execute("TRUNCATE sources, documents, elements, chunk_drafts, chunks, failures, document_versions,"
+                     " vectors_local_all_minilm_l6_v2_384 RESTART IDENTITY CASCADE")
+        register_source(conn, source_for_path(samples_copy, "samples"))
+        ingest(conn, embedder, load_settings(), ["samples"])
+        assert content_of(conn) == resumed
+        clean = vectors_of(conn)  # batch composition moves float32 results in the 7th digit, no more
+        assert all(np.allclose(clean[h], resumed_vectors[h], atol=1e-5) for h in clean)
+
+
+def test_two_concurrent_runs_of_one_source_do_the_work_once(settings, embedder, samples_copy):
+    counters, errors = [], []
+
+    def one_run():
+        try:
+            with connect(settings) as conn, source_locks(conn, ["samples"]):
+                register_source(conn, source_for_path(samples_copy, "samples"))
+                counters.append(ingest(conn, embedder, load_settings(), ["samples"]).counters())
+        except Exception as exc:  # surfaced below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=one_run) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == []
+    assert sorted(c["documents_new"] for c in counters) == [0, 9]
+    assert sorted(c["embeddings_computed"] for c in counters)[0] == 0
+    with connect(settings) as conn:
+        live = conn.execute("SELECT count(*) FROM chunks WHERE valid_to IS NULL").fetchone()[0]
+        assert live == conn.execute("SELECT count(*) FROM chunks").fetchone()[0]
+        assert [r[0] for r in conn.execute("SELECT count(*) FROM document_versions GROUP BY document_id")] == [1] * 9
+
+
+def test_staleness_sweep_flags_sources_not_crawled_in_time_and_retention_purges(conn, embedder, samples_copy):
+    run(conn, embedder, samples_copy)
+    assert sweep(conn, timedelta(hours=1))["stale_documents"] == 0
+    conn.execute("UPDATE sources SET last_crawled_at = now() - interval '3 days'")
+    result = sweep(conn, timedelta(hours=24))
+    assert result["stale_documents"] == 9 and result["sources"][0]["stale_documents"] == 9
+    run(conn, embedder, samples_copy)  # a crawl makes the source fresh again
+    assert sweep(conn, timedelta(hours=24))["stale_documents"] == 0
+
+    path = samples_copy / POLICY
+    path.write_text(path.read_text().replace("20 weeks", "22 weeks"))
+    run(conn, embedder, samples_copy)
+    assert purge_history(conn, 30)["chunks_purged"] == 0
+    conn.execute("UPDATE chunks SET valid_to = valid_to - interval '40 days' WHERE valid_to IS NOT NULL")
+    purged = purge_history(conn, 30)
+    assert purged == {"chunks_purged": 1, "vectors_purged": 1}
+    assert conn.execute("SELECT count(*) FROM chunks WHERE valid_to IS NOT NULL").fetchone()[0] == 0
