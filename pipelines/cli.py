@@ -95,28 +95,37 @@ def status(as_json) -> None:
 @main.command()
 @click.argument("query")
 @click.option("--k", default=5, show_default=True, type=click.IntRange(1, 100))
+@click.option("--source-id", help="Only this source.")
+@click.option("--arm", type=click.Choice(["hybrid", "dense", "lexical"]), default="hybrid", show_default=True)
+@click.option("--lexical-weight", type=click.FloatRange(0, 1), help="RRF weight of the lexical arm (default: by query type).")
+@click.option("--k-overfetch", default=20, show_default=True, type=click.IntRange(1, 1000))
+@click.option("--group", "groups", multiple=True, help="A group the caller belongs to (repeatable).")
 @click.option("--as-of", "as_of", type=click.DateTime(["%Y-%m-%dT%H:%M:%S%z", "%Y-%m-%dT%H:%M:%S", "%Y-%m-%d"]),
               help="Answer from the knowledge base as it was at this time (UTC unless an offset is given).")
+@click.option("--debug", is_flag=True, help="Show each result's rank and score in each arm.")
 @click.option("--json", "as_json", is_flag=True)
-def search(query, k, as_of, as_json) -> None:
-    """Search the knowledge base (dense vectors of the active model)."""
+def search(query, k, source_id, arm, lexical_weight, k_overfetch, groups, as_of, debug, as_json) -> None:
+    """Hybrid search: dense vectors + BM25, fused with weighted Reciprocal Rank Fusion."""
     from pipelines.database import connect
-    from pipelines.embedders import embedder_for
-    from pipelines.search import dense_search
-    from pipelines.vector_store import active_model
+    from pipelines.search import Filters
+    from pipelines.service import EmptyKnowledgeBase, run_search
 
-    settings = load_settings()
     if as_of is not None and as_of.tzinfo is None:
         as_of = as_of.replace(tzinfo=timezone.utc)
+    settings = load_settings()
+    filters = Filters(source_id=source_id, groups=list(groups), as_of=as_of)
     with connect(settings) as conn:
-        model = active_model(conn)
-        if model is None:
-            raise click.ClickException("the knowledge base is empty: run `kb ingest` first")
-        hits = dense_search(conn, embedder_for(model, settings), query, k, as_of=as_of)
+        try:
+            data = run_search(conn, settings, query, k, arm=arm, lexical_weight=lexical_weight,
+                              k_overfetch=k_overfetch, filters=filters, debug=debug)
+        except EmptyKnowledgeBase as exc:
+            raise click.ClickException(str(exc)) from exc
     text = "\n\n".join(
-        f"{i}. [{h.score:.3f}] {h.source}:{h.document}" + (f" > {' > '.join(h.section_path)}" if h.section_path else "")
-        + f"\n   {h.content[:300]}" for i, h in enumerate(hits, 1)) or "no results"
-    _emit({"query": query, "k": k, "as_of": as_of, "chunks": [h.as_dict() for h in hits]}, as_json, text)
+        f"{i}. [{c['score']:.4f}] {c['source']}:{c['document']}"
+        + (f" > {' > '.join(c['section_path'])}" if c["section_path"] else "")
+        + (f"  (dense #{c['dense_rank']}, lexical #{c['lexical_rank']})" if debug else "")
+        + f"\n   {c['content'][:300]}" for i, c in enumerate(data["chunks"], 1)) or "no results"
+    _emit(data, as_json, text)
 
 
 @main.command()

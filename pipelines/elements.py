@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from datetime import date
 
 import psycopg
 from psycopg.types.json import Jsonb
@@ -47,12 +48,25 @@ def write_elements(conn: psycopg.Connection, parsed: list[tuple[int, str, Parsed
     )
     written = bulk.copy_rows(conn, "elements", ELEMENT_COLUMNS, rows)
     conn.execute(
-        "UPDATE documents d SET parsed_hash = u.content_hash, title = u.title, metadata = u.metadata"
-        " FROM unnest(%s::bigint[], %s::text[], %s::text[], %s::jsonb[]) AS u(document_id, content_hash, title, metadata)"
+        "UPDATE documents d SET parsed_hash = u.content_hash, title = u.title, metadata = u.metadata, doc_date = u.doc_date"
+        " FROM unnest(%s::bigint[], %s::text[], %s::text[], %s::jsonb[], %s::date[])"
+        "   AS u(document_id, content_hash, title, metadata, doc_date)"
         " WHERE d.document_id = u.document_id",
-        (ids, [h for _, h, _ in parsed], [d.title for _, _, d in parsed], [Jsonb(d.metadata) for _, _, d in parsed]),
+        (ids, [h for _, h, _ in parsed], [d.title for _, _, d in parsed], [Jsonb(d.metadata) for _, _, d in parsed],
+         [document_date(d.metadata) for _, _, d in parsed]),
     )
     return written
+
+
+def document_date(metadata: dict) -> date | None:
+    """The date a document carries (created, else modified), for date-range filters."""
+    for key in ("created", "modified", "date"):
+        value = str(metadata.get(key) or "")[:10]
+        try:
+            return date.fromisoformat(value)
+        except ValueError:
+            continue
+    return None
 
 
 def load_elements(conn: psycopg.Connection, document_ids: list[int]) -> dict[int, list[Element]]:

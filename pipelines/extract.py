@@ -33,6 +33,7 @@ class Source:
     location: str
     include: tuple[str, ...] = ()
     exclude: tuple[str, ...] = ()
+    allowed_groups: tuple[str, ...] | None = None  # None: every caller may see the source's documents
 
 
 @dataclass(frozen=True)
@@ -46,7 +47,8 @@ class Found:
     failed: bool = False
 
 
-def source_for_path(path: str | Path, source_id: str | None = None, include=(), exclude=()) -> Source:
+def source_for_path(path: str | Path, source_id: str | None = None, include=(), exclude=(),
+                    allowed_groups: tuple[str, ...] | None = None) -> Source:
     resolved = Path(path).expanduser().resolve()
     if resolved.is_dir():
         kind = "folder"
@@ -54,29 +56,34 @@ def source_for_path(path: str | Path, source_id: str | None = None, include=(), 
         kind = "jsonl"
     else:
         raise ValueError(f"{path}: not a folder or a .jsonl file of records")
-    return Source(source_id or resolved.stem or resolved.name, kind, str(resolved), tuple(include), tuple(exclude))
+    return Source(source_id or resolved.stem or resolved.name, kind, str(resolved), tuple(include), tuple(exclude),
+                  tuple(allowed_groups) if allowed_groups else None)
 
 
 def register_source(conn: psycopg.Connection, source: Source) -> None:
     conn.execute(
         """
-        INSERT INTO sources (source_id, kind, location, include_globs, exclude_globs) VALUES (%s, %s, %s, %s, %s)
+        INSERT INTO sources (source_id, kind, location, include_globs, exclude_globs, allowed_groups)
+        VALUES (%s, %s, %s, %s, %s, %s)
         ON CONFLICT (source_id) DO UPDATE SET kind = excluded.kind, location = excluded.location,
-            include_globs = excluded.include_globs, exclude_globs = excluded.exclude_globs
-        WHERE (sources.kind, sources.location, sources.include_globs, sources.exclude_globs)
-              IS DISTINCT FROM (excluded.kind, excluded.location, excluded.include_globs, excluded.exclude_globs)
+            include_globs = excluded.include_globs, exclude_globs = excluded.exclude_globs,
+            allowed_groups = excluded.allowed_groups
+        WHERE (sources.kind, sources.location, sources.include_globs, sources.exclude_globs, sources.allowed_groups)
+              IS DISTINCT FROM (excluded.kind, excluded.location, excluded.include_globs, excluded.exclude_globs,
+                                excluded.allowed_groups)
         """,
-        (source.source_id, source.kind, source.location, list(source.include), list(source.exclude)),
+        (source.source_id, source.kind, source.location, list(source.include), list(source.exclude),
+         list(source.allowed_groups) if source.allowed_groups else None),
     )
 
 
 def load_sources(conn: psycopg.Connection, source_ids: list[str] | None = None) -> list[Source]:
     rows = conn.execute(
-        "SELECT source_id, kind, location, include_globs, exclude_globs FROM sources"
+        "SELECT source_id, kind, location, include_globs, exclude_globs, allowed_groups FROM sources"
         " WHERE %(ids)s::text[] IS NULL OR source_id = ANY(%(ids)s) ORDER BY source_id",
         {"ids": source_ids},
     ).fetchall()
-    return [Source(r[0], r[1], r[2], tuple(r[3]), tuple(r[4])) for r in rows]
+    return [Source(r[0], r[1], r[2], tuple(r[3]), tuple(r[4]), tuple(r[5]) if r[5] else None) for r in rows]
 
 
 def _selected(relpath: str, source: Source) -> bool:
@@ -224,6 +231,9 @@ def crawl_source(conn: psycopg.Connection, source: Source, report: StageReport, 
         conn.execute("UPDATE sources SET last_crawled_at = now() WHERE source_id = %s", (source.source_id,))
         conn.execute("UPDATE documents SET stale_since = NULL WHERE source_id = %s AND stale_since IS NOT NULL",
                      (source.source_id,))
+        conn.execute("UPDATE documents d SET allowed_groups = s.allowed_groups FROM sources s"
+                     " WHERE s.source_id = %s AND d.source_id = s.source_id"
+                     " AND d.allowed_groups IS DISTINCT FROM s.allowed_groups", (source.source_id,))
 
 
 def extract(conn: psycopg.Connection, sources: list[Source]) -> StageReport:

@@ -1,30 +1,72 @@
-"""Dense search over the live chunks: pgvector HNSW (cosine) on the current model's vectors."""
+"""Search: dense (pgvector HNSW), lexical (BM25 in PostgreSQL) and their weighted RRF fusion, in one query.
+
+See sql/queries/hybrid_search.sql. Filters apply inside both arms, so a selective filter still yields k results
+(the dense arm uses pgvector's iterative index scans to keep going past filtered-out rows).
+"""
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
-from datetime import datetime
+import re
+from dataclasses import asdict, dataclass, field
+from datetime import date, datetime
 
+import numpy as np
 import psycopg
 from psycopg import sql
 
 from pipelines.embedders import Embedder
+from pipelines.settings import SQL_DIR
 from pipelines.vector_store import vector_table
 
-EF_SEARCH = 100
+HYBRID = (SQL_DIR / "queries" / "hybrid_search.sql").read_text()
+EF_SEARCH = 100  # recall@100 within 1% of exact search at this corpus scale (bench/search_latency.py)
+MAX_SCAN_TUPLES = 100_000  # how far an iterative scan may go under a selective filter
+RRF_K = 60
+BM25_K1, BM25_B = 1.2, 0.75
+ARMS = ("hybrid", "dense", "lexical")
 
-# Live chunks by default; with an as-of time, the chunks that were live then (history is never rewritten).
-DENSE = """
-SELECT c.chunk_id, d.source_id, d.locator, d.title, c.section_path, c.text, c.entities,
-       1 - (v.embedding <=> %(q)s) AS score
-FROM {vectors} v
-JOIN chunks c ON c.text_hash = v.text_hash
-JOIN documents d ON d.document_id = c.document_id
-WHERE CASE WHEN %(as_of)s::timestamptz IS NULL THEN c.valid_to IS NULL
-           ELSE c.valid_from <= %(as_of)s AND (c.valid_to IS NULL OR c.valid_to > %(as_of)s) END
-ORDER BY v.embedding <=> %(q)s
-LIMIT %(k)s
-"""
+# Codes and identifiers: letters and digits together, or words joined by _ - . /  (AVX-039, 42P07, max_wal_senders)
+_IDENTIFIER = re.compile(r"\b(?=\w*\d)[A-Za-z0-9]+(?:[-_./][A-Za-z0-9]+)*\b|\b[a-z0-9]+(?:_[a-z0-9]+)+\b|\"[^\"]+\"")
+_QUESTION = re.compile(r"^\s*(how|why|what|when|which|who|where|explain|describe|can|could|should|does|do|is|are)\b", re.I)
+
+
+def lexical_weight_for(query: str) -> float:
+    """The query classifier: identifier or code queries lean lexical (0.7), questions lean dense (0.3)."""
+    if _IDENTIFIER.search(query):
+        return 0.7
+    if _QUESTION.match(query) or query.rstrip().endswith("?"):
+        return 0.3
+    return 0.5
+
+
+@dataclass
+class Filters:
+    source_id: str | None = None
+    doc_format: str | None = None
+    date_from: date | None = None
+    date_to: date | None = None
+    entities: dict | None = None  # JSONB containment, e.g. {"codes": ["AVX-039"]}
+    groups: list[str] = field(default_factory=list)  # the caller's groups; documents with groups need one of them
+    as_of: datetime | None = None
+
+    def predicate(self) -> tuple[sql.Composable, dict]:
+        parts = [sql.SQL("c.valid_to IS NULL") if self.as_of is None else
+                 sql.SQL("c.valid_from <= %(as_of)s AND (c.valid_to IS NULL OR c.valid_to > %(as_of)s)")]
+        params: dict = {"as_of": self.as_of, "groups": list(self.groups)}
+        optional = {
+            "source_id": "d.source_id = %(source_id)s",
+            "doc_format": "d.doc_format = %(doc_format)s",
+            "date_from": "d.doc_date >= %(date_from)s",
+            "date_to": "d.doc_date <= %(date_to)s",
+            "entities": "c.entities @> %(entities)s",
+        }
+        for name, clause in optional.items():
+            value = getattr(self, name)
+            if value is not None:
+                parts.append(sql.SQL(clause))
+                params[name] = value
+        parts.append(sql.SQL("(d.allowed_groups IS NULL OR d.allowed_groups && %(groups)s::text[])"))
+        return sql.SQL(" AND ").join(parts), params
 
 
 @dataclass
@@ -36,19 +78,52 @@ class Hit:
     section_path: list[str]
     content: str
     entities: dict
+    doc_format: str
+    doc_date: date | None
     score: float
+    dense_rank: int | None = None
+    dense_score: float | None = None
+    lexical_rank: int | None = None
+    lexical_score: float | None = None
 
-    def as_dict(self) -> dict:
-        return asdict(self)
+    def as_dict(self, debug: bool = False) -> dict:
+        data = asdict(self)
+        if not debug:
+            for key in ("dense_rank", "dense_score", "lexical_rank", "lexical_score"):
+                data.pop(key)
+        return data
+
+
+def _prepare(conn: psycopg.Connection) -> None:
+    conn.execute(sql.SQL("SET hnsw.ef_search = {}").format(sql.Literal(EF_SEARCH)))
+    conn.execute("SET hnsw.iterative_scan = relaxed_order")
+    conn.execute(sql.SQL("SET hnsw.max_scan_tuples = {}").format(sql.Literal(MAX_SCAN_TUPLES)))
+
+
+def search(conn: psycopg.Connection, embedder: Embedder, query: str, k: int = 5, *, arm: str = "hybrid",
+           lexical_weight: float | None = None, k_overfetch: int = 20, filters: Filters | None = None,
+           model_key: str | None = None) -> list[Hit]:
+    """Top-k chunks for a query. `arm` picks dense, lexical or both fused; lexical_weight None lets the
+    query classifier choose."""
+    if arm not in ARMS:
+        raise ValueError(f"arm must be one of {ARMS}")
+    filters = filters or Filters()
+    weight = {"dense": 0.0, "lexical": 1.0}.get(arm, lexical_weight if lexical_weight is not None else lexical_weight_for(query))
+    if not 0 <= weight <= 1:
+        raise ValueError("lexical_weight must be between 0 and 1")
+    n = max(k_overfetch, k)
+    vector = embedder.embed([query])[0] if arm != "lexical" else np.zeros(embedder.dimensions, dtype=np.float32)
+    predicate, params = filters.predicate()
+    statement = sql.SQL(HYBRID).format(vectors=vector_table(conn, model_key or embedder.model_key), filters=predicate)
+    _prepare(conn)
+    rows = conn.execute(statement, {
+        **params, "query": query, "vector": vector, "k": k, "rrf_k": RRF_K, "lexical_weight": weight,
+        "dense_n": n if arm != "lexical" else 0, "lexical_n": n if arm != "dense" else 0,
+        "bm25_k1": BM25_K1, "bm25_b": BM25_B,
+    }).fetchall()
+    return [Hit(*row) for row in rows]
 
 
 def dense_search(conn: psycopg.Connection, embedder: Embedder, query: str, k: int = 5,
                  as_of: datetime | None = None) -> list[Hit]:
-    vector = embedder.embed([query])[0]
-    with conn.transaction():
-        # Iterative scans keep going past ef_search when joined rows (closed chunks) are filtered out.
-        conn.execute(sql.SQL("SET LOCAL hnsw.ef_search = {}").format(sql.Literal(EF_SEARCH)))
-        conn.execute("SET LOCAL hnsw.iterative_scan = strict_order")
-        rows = conn.execute(sql.SQL(DENSE).format(vectors=vector_table(conn, embedder.model_key)),
-                            {"q": vector, "k": k, "as_of": as_of}).fetchall()
-    return [Hit(*row) for row in rows]
+    return search(conn, embedder, query, k, arm="dense", k_overfetch=k, filters=Filters(as_of=as_of))

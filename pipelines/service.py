@@ -1,0 +1,40 @@
+"""The search response, one shape for the CLI and the HTTP API."""
+
+from __future__ import annotations
+
+import psycopg
+
+from pipelines.embedders import Embedder, embedder_for
+from pipelines.search import Filters, search
+from pipelines.settings import Settings
+from pipelines.vector_store import active_model
+
+
+class EmptyKnowledgeBase(LookupError):
+    pass
+
+
+_embedders: dict[str, Embedder] = {}
+
+
+def _query_embedder(model_key: str, settings: Settings) -> Embedder:
+    """Loaded once per process and model: a server must not reload the model per request."""
+    if model_key not in _embedders:
+        _embedders[model_key] = embedder_for(model_key, settings)
+    return _embedders[model_key]
+
+
+def run_search(conn: psycopg.Connection, settings: Settings, query: str, k: int = 5, *, arm: str = "hybrid",
+               lexical_weight: float | None = None, k_overfetch: int = 20, filters: Filters | None = None,
+               debug: bool = False, mode: str = "chunks") -> dict:
+    """Search with the active model (queries must be embedded in the vector space being served)."""
+    model = active_model(conn)
+    if model is None:
+        raise EmptyKnowledgeBase("the knowledge base is empty: run `kb ingest` first")
+    filters = filters or Filters()
+    hits = search(conn, _query_embedder(model, settings), query, k, arm=arm, lexical_weight=lexical_weight,
+                  k_overfetch=k_overfetch, filters=filters, model_key=model)
+    return {
+        "query": query, "k": k, "source_id": filters.source_id, "mode": mode, "arm": arm,
+        "chunks": [hit.as_dict(debug) for hit in hits],
+    }

@@ -1,0 +1,54 @@
+-- Hybrid search in one round trip: a dense arm (pgvector HNSW, cosine) and a lexical arm (BM25 over
+-- lexical_terms / lexical_stats), each over-fetching :n candidates under the same filters, fused with
+-- weighted Reciprocal Rank Fusion: score = (1 - w) / (rrf_k + dense_rank) + w / (rrf_k + lexical_rank).
+-- {vectors} is the active model's vector table and {filters} a predicate over chunks c and documents d
+-- (live or as-of rows, source, format, dates, entities, access groups), both filled in by pipelines/search.py.
+WITH query_terms AS (
+    SELECT DISTINCT u.lexeme AS term FROM unnest(kb_lexemes(%(query)s)) AS u
+), corpus AS (
+    SELECT greatest(chunks, 1)::float8 AS n, greatest(total_length::float8 / greatest(chunks, 1), 1) AS avg_length
+    FROM lexical_stats
+), weights AS (
+    SELECT t.term, ln(1 + (corpus.n - t.df + 0.5) / (t.df + 0.5)) AS idf
+    FROM lexical_terms t JOIN query_terms q USING (term), corpus
+), disjunction AS (
+    SELECT coalesce(string_agg(quote_literal(term), ' | '), '')::tsquery AS tsq FROM weights
+), dense AS MATERIALIZED (
+    SELECT c.chunk_id, v.embedding <=> %(vector)s AS distance
+    FROM {vectors} v
+    JOIN chunks c ON c.text_hash = v.text_hash
+    JOIN documents d ON d.document_id = c.document_id
+    WHERE {filters}
+    ORDER BY v.embedding <=> %(vector)s
+    LIMIT %(dense_n)s
+), dense_ranked AS (
+    SELECT chunk_id, 1 - distance AS score, row_number() OVER (ORDER BY distance, chunk_id) AS rank FROM dense
+), lexical AS MATERIALIZED (
+    SELECT c.chunk_id,
+           sum(w.idf * (tf.f * (%(bm25_k1)s + 1))
+               / (tf.f + %(bm25_k1)s * (1 - %(bm25_b)s + %(bm25_b)s * c.lexical_length / corpus.avg_length))) AS score
+    FROM chunks c
+    JOIN documents d ON d.document_id = c.document_id
+    CROSS JOIN LATERAL unnest(c.search_tsv) AS u(lexeme, positions, weights_)
+    JOIN weights w ON w.term = u.lexeme
+    CROSS JOIN LATERAL (SELECT coalesce(array_length(u.positions, 1), 1)::float8 AS f) tf
+    CROSS JOIN corpus
+    WHERE c.search_tsv @@ (SELECT tsq FROM disjunction) AND {filters}
+    GROUP BY c.chunk_id
+    ORDER BY score DESC, c.chunk_id
+    LIMIT %(lexical_n)s
+), lexical_ranked AS (
+    SELECT chunk_id, score, row_number() OVER (ORDER BY score DESC, chunk_id) AS rank FROM lexical
+), fused AS (
+    SELECT chunk_id, dr.rank AS dense_rank, dr.score AS dense_score, lr.rank AS lexical_rank, lr.score AS lexical_score,
+           coalesce((1 - %(lexical_weight)s) / (%(rrf_k)s + dr.rank), 0)
+           + coalesce(%(lexical_weight)s / (%(rrf_k)s + lr.rank), 0) AS fused_score
+    FROM dense_ranked dr FULL OUTER JOIN lexical_ranked lr USING (chunk_id)
+)
+SELECT f.chunk_id, d.source_id, d.locator, d.title, c.section_path, c.text, c.entities, d.doc_format, d.doc_date,
+       f.fused_score, f.dense_rank, f.dense_score, f.lexical_rank, f.lexical_score
+FROM fused f
+JOIN chunks c ON c.chunk_id = f.chunk_id
+JOIN documents d ON d.document_id = c.document_id
+ORDER BY f.fused_score DESC, f.chunk_id
+LIMIT %(k)s
