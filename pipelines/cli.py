@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import sys
 from datetime import timedelta, timezone
+from pathlib import Path
 
 import click
 
@@ -164,3 +165,44 @@ def sweep(freshness_hours, as_json) -> None:
     text = [f"{data['stale_documents']} stale documents (oldest crawl {data['oldest_crawl']})"]
     text += [f"  {s['source_id']}: {s['stale_documents']} stale, last crawled {s['last_crawled_at']}" for s in data["sources"]]
     _emit(data, as_json, "\n".join(text))
+
+
+@main.command(name="eval")
+@click.argument("dataset", type=click.Path(exists=True, file_okay=False, path_type=Path))
+@click.option("--split", default="test", show_default=True, help="qrels/<split>.tsv")
+@click.option("--database-url", help="Evaluate in this database (default: a kb_eval_<dataset> database of its own).")
+@click.option("--lexical-weight", "weights", multiple=True, type=click.FloatRange(0, 1),
+              help="Also evaluate hybrid with this fixed lexical weight (repeatable).")
+@click.option("--misses", is_flag=True, help="List the queries with no relevant document in the top 10.")
+@click.option("--json", "as_json", is_flag=True)
+def evaluate(dataset, split, database_url, weights, misses, as_json) -> None:
+    """Ingest a BEIR dataset through the real pipeline and report hit@1/5/10, MRR@10, nDCG@10, recall@100."""
+    import dataclasses
+    import re
+
+    from pipelines.database import connect, database_url as server_url, ensure_database
+    from pipelines.embedders import make_embedder
+    from pipelines.evaluation import CONFIGURATIONS, METRICS, Configuration, classifier_weights, evaluate as run_eval, load_queries
+    from pipelines.extract import register_source, source_for_path
+    from pipelines.ingest import ingest as run_ingest
+
+    settings = load_settings()
+    name = re.sub(r"[^a-z0-9]+", "_", dataset.resolve().name.lower())
+    if database_url is None:
+        database_url = ensure_database(server_url(settings), f"kb_eval_{name}")
+    settings = dataclasses.replace(settings, database_url=database_url)
+    queries, qrels = load_queries(dataset, split)
+    source_id = f"beir-{name}"
+    embedder = make_embedder(settings)
+    configs = list(CONFIGURATIONS) + [Configuration(f"hybrid w={w:g}", "hybrid", w) for w in weights]
+    with connect(settings) as conn:
+        register_source(conn, source_for_path(dataset / "corpus.jsonl", source_id))
+        summary = run_ingest(conn, embedder, settings, [source_id], progress=_progress_factory(not as_json))
+        report = run_eval(conn, embedder, queries, qrels, source_id, configs, misses)
+    data = {"dataset": str(dataset), "split": split, "queries": len(queries), "ingest": summary.counters(),
+            "classifier": {str(k): v for k, v in sorted(classifier_weights(queries).items())}, "results": report}
+    lines = [f"{dataset.name} ({split}, {len(queries)} queries)", f"{'configuration':<16}" + "".join(f"{m:>11}" for m in METRICS)]
+    lines += [f"{cfg:<16}" + "".join(f"{r['metrics'][m]:>11.4f}" for m in METRICS) for cfg, r in report.items()]
+    for cfg, r in report.items():
+        lines += [f"miss [{cfg}] {m['query_id']}: {m['query'][:80]}" for m in r.get("misses", [])]
+    _emit(data, as_json, "\n".join(lines))

@@ -82,3 +82,13 @@ def connect(settings: Settings) -> Iterator[psycopg.Connection]:
         yield conn
     finally:
         conn.close()
+
+
+def ensure_database(server_url: str, dbname: str) -> str:
+    """Create `dbname` on the server if missing; returns its URL (used by `kb eval` for its own database)."""
+    with psycopg.connect(server_url, autocommit=True) as admin:
+        if admin.execute("SELECT 1 FROM pg_database WHERE datname = %s", (dbname,)).fetchone() is None:
+            admin.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(dbname)))
+    info = psycopg.conninfo.conninfo_to_dict(server_url)
+    info["dbname"] = dbname
+    return psycopg.conninfo.make_conninfo(**info)

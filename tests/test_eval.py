@@ -1,0 +1,70 @@
+"""`kb eval` on a small slice of SciFact (../shared/datasets), through the real pipeline and search."""
+
+import json
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from pipelines.cli import main
+from pipelines.evaluation import document_run, score
+from pipelines.settings import REPO_ROOT
+
+SCIFACT = REPO_ROOT.parent / "shared" / "datasets" / "scifact"
+
+
+@pytest.fixture(scope="module")
+def scifact_slice(tmp_path_factory) -> Path:
+    """30 train queries, their relevant abstracts and 150 other abstracts as distractors."""
+    target = tmp_path_factory.mktemp("scifact_slice")
+    qrels = [line.split("\t") for line in (SCIFACT / "qrels" / "train.tsv").read_text().splitlines()[1:]]
+    query_ids = list(dict.fromkeys(q for q, _, _ in qrels))[:30]
+    kept = [row for row in qrels if row[0] in query_ids]
+    relevant = {doc for _, doc, _ in kept}
+    corpus = [json.loads(line) for line in (SCIFACT / "corpus.jsonl").read_text().splitlines()]
+    distractors = [r for r in corpus if r["_id"] not in relevant][:150]
+    docs = [r for r in corpus if r["_id"] in relevant] + distractors
+    (target / "corpus.jsonl").write_text("".join(json.dumps(r) + "\n" for r in docs))
+    queries = [json.loads(line) for line in (SCIFACT / "queries.jsonl").read_text().splitlines()]
+    (target / "queries.jsonl").write_text("".join(json.dumps(q) + "\n" for q in queries if q["_id"] in query_ids))
+    (target / "qrels").mkdir()
+    (target / "qrels" / "train.tsv").write_text("query-id\tcorpus-id\tscore\n" + "".join("\t".join(r) + "\n" for r in kept))
+    return target
+
+
+def test_metrics_come_from_trec_eval_semantics():
+    qrels = {"q1": {"d1": 1}, "q2": {"d9": 1}}
+    run = {"q1": {"d3": 3.0, "d1": 2.0, "d2": 1.0}, "q2": {"d1": 2.0, "d2": 1.0}}
+    means, per_query = score(run, qrels)
+    assert per_query["q1"]["hit@1"] == 0 and per_query["q1"]["hit@5"] == 1
+    assert per_query["q1"]["mrr@10"] == 0.5 and per_query["q2"]["mrr@10"] == 0
+    assert means["hit@5"] == 0.5
+
+
+def test_document_rank_is_its_best_chunk_rank():
+    class H:
+        def __init__(self, document):
+            self.document = document
+    ranked = document_run([H("a"), H("b"), H("a"), H("c")])
+    assert sorted(ranked, key=ranked.get, reverse=True) == ["a", "b", "c"]
+
+
+def test_kb_eval_on_a_scifact_slice(settings, scifact_slice):
+    result = CliRunner().invoke(main, ["eval", str(scifact_slice), "--split", "train", "--json", "--misses",
+                                       "--database-url", settings.database_url])
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.stdout)
+    assert data["queries"] == 30 and data["ingest"]["documents_published"] == data["ingest"]["documents_seen"]
+    metrics = {name: r["metrics"] for name, r in data["results"].items()}
+    # Known numbers for this slice (local all-MiniLM-L6-v2; measured when the test was written).
+    for config, values in KNOWN.items():
+        for metric, value in values.items():
+            assert metrics[config][metric] == pytest.approx(value, abs=0.02), (config, metric)
+    assert all(len(r["misses"]) == round(30 * (1 - r["metrics"]["hit@10"])) for r in data["results"].values())
+
+
+KNOWN = {
+    "dense": {"hit@1": 0.8, "hit@5": 0.9333, "mrr@10": 0.8556, "ndcg@10": 0.8748, "recall@100": 1.0},
+    "lexical": {"hit@1": 0.6667, "hit@5": 0.8667, "mrr@10": 0.7611, "ndcg@10": 0.7858, "recall@100": 0.9667},
+    "hybrid": {"hit@1": 0.6667, "hit@5": 0.9, "mrr@10": 0.7706, "ndcg@10": 0.8179, "recall@100": 1.0},
+}
