@@ -206,3 +206,17 @@ def evaluate(dataset, split, database_url, weights, misses, as_json) -> None:
     for cfg, r in report.items():
         lines += [f"miss [{cfg}] {m['query_id']}: {m['query'][:80]}" for m in r.get("misses", [])]
     _emit(data, as_json, "\n".join(lines))
+
+
+@main.command()
+@click.option("--host", default="127.0.0.1", show_default=True)
+@click.option("--port", default=8000, show_default=True, type=int)
+def serve(host, port) -> None:
+    """Serve the search API (/v1/knowledge/search, OpenAPI docs at /docs) and the search console (/)."""
+    import os
+
+    import uvicorn
+
+    from pipelines.api import create_app
+
+    uvicorn.run(create_app(api_key=os.environ.get("KB_API_KEY") or None), host=host, port=port)

@@ -1,0 +1,111 @@
+"""The search API and console: `kb serve` runs this FastAPI app under uvicorn.
+
+GET /v1/knowledge/search?q=&k=&source_id=&mode=&debug=   (OpenAPI docs at /docs)
+GET /                                                      a search console for people
+Auth is optional: with KB_API_KEY set, requests need `Authorization: Bearer <key>` or `X-API-Key: <key>`.
+"""
+
+from __future__ import annotations
+
+import hmac
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Literal
+
+from fastapi import Depends, FastAPI, HTTPException, Query, Request
+from fastapi.responses import HTMLResponse
+from fastapi.security import APIKeyHeader, HTTPAuthorizationCredentials, HTTPBearer
+from pydantic import BaseModel
+
+from pipelines.search import Filters
+from pipelines.service import EmptyKnowledgeBase, run_search
+from pipelines.settings import Settings, load_settings
+
+CONSOLE = Path(__file__).parent / "console" / "index.html"
+
+
+class Chunk(BaseModel):
+    chunk_id: int
+    content: str
+    source: str
+    document: str
+    title: str | None
+    section_path: list[str]
+    score: float
+    entities: dict
+    dense_rank: int | None = None
+    dense_score: float | None = None
+    lexical_rank: int | None = None
+    lexical_score: float | None = None
+
+
+class SearchResponse(BaseModel):
+    query: str
+    k: int
+    source_id: str | None
+    mode: str
+    chunks: list[Chunk]
+
+
+def create_app(settings: Settings | None = None, api_key: str | None = None) -> FastAPI:
+    settings = settings or load_settings()
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        from psycopg_pool import ConnectionPool
+
+        from pipelines.database import connect, database_url
+
+        with connect(settings):  # starts the embedded server if needed and migrates once
+            pass
+        with ConnectionPool(database_url(settings), min_size=1, max_size=8, kwargs={"autocommit": True},
+                            configure=_configure) as pool:
+            app.state.pool = pool
+            yield
+
+    app = FastAPI(title="kb search API", version="1", lifespan=lifespan,
+                  description="Hybrid retrieval (pgvector + BM25, weighted RRF) over the kb knowledge base.")
+    bearer, header = HTTPBearer(auto_error=False), APIKeyHeader(name="X-API-Key", auto_error=False)
+
+    def authorised(credentials: HTTPAuthorizationCredentials | None = Depends(bearer), key: str | None = Depends(header)):
+        if api_key is None:
+            return
+        given = key or (credentials.credentials if credentials else "")
+        if not hmac.compare_digest(given.encode(), api_key.encode()):
+            raise HTTPException(status_code=401, detail="missing or invalid API key")
+
+    @app.get("/v1/knowledge/search", response_model=SearchResponse, response_model_exclude_none=True,
+             dependencies=[Depends(authorised)])
+    def knowledge_search(
+        request: Request,
+        q: str = Query(..., min_length=1, max_length=2000, description="The query text."),
+        k: int = Query(5, ge=1, le=20, description="How many chunks to return."),
+        source_id: str | None = Query(None, description="Only chunks from this source."),
+        mode: Literal["chunks", "qa_first", "qa_only"] = Query("chunks"),
+        debug: bool = Query(False, description="Add each chunk's rank and score in each arm."),
+        lexical_weight: float | None = Query(None, ge=0, le=1, description="RRF weight of the lexical arm."),
+        groups: str | None = Query(None, description="Comma-separated groups of the caller (access lists)."),
+    ) -> dict:
+        if mode != "chunks":
+            raise HTTPException(status_code=501, detail=f"mode {mode!r} is reserved and not implemented yet")
+        filters = Filters(source_id=source_id, groups=[g for g in (groups or "").split(",") if g])
+        with request.app.state.pool.connection() as conn:
+            try:
+                return run_search(conn, settings, q, k, lexical_weight=lexical_weight, filters=filters, debug=debug,
+                                  mode=mode)
+            except EmptyKnowledgeBase as exc:
+                raise HTTPException(status_code=409, detail=str(exc)) from exc
+
+    @app.get("/", response_class=HTMLResponse, include_in_schema=False)
+    def console() -> str:
+        return CONSOLE.read_text()
+
+    return app
+
+
+def _configure(conn) -> None:
+    from pgvector.psycopg import register_vector
+    from psycopg.types.json import JsonbDumper
+
+    register_vector(conn)
+    conn.adapters.register_dumper(dict, JsonbDumper)
