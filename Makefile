@@ -8,7 +8,7 @@ KB_HOME ?= $(CURDIR)/.kb
 export KB_HOME
 export DAGSTER_HOME ?= $(KB_HOME)/dagster
 
-.PHONY: install demo test dev
+.PHONY: install demo test dev chromium
 
 install: $(VENV)/.installed
 
@@ -28,8 +28,12 @@ demo: install $(DAGSTER_HOME)/dagster.yaml
 	$(BIN)/kb status
 	$(BIN)/kb search "How many weeks of paid leave does a primary caregiver get?" --k 3
 
-test: install
+test: install chromium
 	$(BIN)/python -m pytest -q
+
+# The search console is tested in headless Chromium (Debian's package; tests never download a browser).
+chromium:
+	command -v chromium >/dev/null || (apt-get update -q && apt-get install -y -q chromium)
 
 dev: install $(DAGSTER_HOME)/dagster.yaml
 	$(BIN)/dagster dev -w workspace.yaml

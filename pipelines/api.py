@@ -74,7 +74,7 @@ def create_app(settings: Settings | None = None, api_key: str | None = None) -> 
         if not hmac.compare_digest(given.encode(), api_key.encode()):
             raise HTTPException(status_code=401, detail="missing or invalid API key")
 
-    @app.get("/v1/knowledge/search", response_model=SearchResponse, response_model_exclude_none=True,
+    @app.get("/v1/knowledge/search", response_model=SearchResponse, response_model_exclude_unset=True,
              dependencies=[Depends(authorised)])
     def knowledge_search(
         request: Request,

@@ -1,0 +1,111 @@
+"""The HTTP API (through FastAPI's test client, real database) and the console page in headless Chromium."""
+
+import shutil
+import subprocess
+import threading
+import time
+
+import pytest
+from fastapi.testclient import TestClient
+
+from pipelines.api import create_app
+from pipelines.extract import register_source, source_for_path
+from pipelines.ingest import ingest
+from pipelines.settings import SAMPLES_DIR, load_settings
+
+
+@pytest.fixture
+def ingested(conn, embedder):
+    register_source(conn, source_for_path(SAMPLES_DIR / "docs", "samples"))
+    ingest(conn, embedder, load_settings())
+
+
+@pytest.fixture
+def client(settings, ingested):
+    with TestClient(create_app(settings)) as test_client:
+        yield test_client
+
+
+def test_search_returns_the_documented_shape(client):
+    response = client.get("/v1/knowledge/search", params={"q": "fault code F-204"})
+    assert response.status_code == 200
+    body = response.json()
+    assert set(body) == {"query", "k", "source_id", "mode", "chunks"}
+    assert body["k"] == 5 and body["mode"] == "chunks" and len(body["chunks"]) == 5
+    first = body["chunks"][0]
+    assert {"content", "source", "score"} <= set(first) and "dense_rank" not in first
+    assert "F-204" in first["content"]
+
+
+def test_debug_shows_which_arm_found_each_chunk(client):
+    chunks = client.get("/v1/knowledge/search", params={"q": "42P07", "debug": "true", "k": 3}).json()["chunks"]
+    assert chunks[0]["lexical_rank"] == 1
+    assert all("dense_rank" in c or "lexical_rank" in c for c in chunks)
+
+
+def test_filter_by_source(client):
+    body = client.get("/v1/knowledge/search", params={"q": "policy", "source_id": "nope"}).json()
+    assert body["chunks"] == [] and body["source_id"] == "nope"
+
+
+@pytest.mark.parametrize("params, status", [
+    ({}, 422),
+    ({"q": ""}, 422),
+    ({"q": "x", "k": 21}, 422),
+    ({"q": "x", "k": 0}, 422),
+    ({"q": "x", "mode": "everything"}, 422),
+    ({"q": "x", "lexical_weight": 2}, 422),
+    ({"q": "x", "mode": "qa_first"}, 501),
+])
+def test_invalid_requests_get_clear_4xx_errors(client, params, status):
+    response = client.get("/v1/knowledge/search", params=params)
+    assert response.status_code == status
+    assert response.json()["detail"]
+
+
+def test_api_key_is_enforced_when_configured(settings, ingested):
+    with TestClient(create_app(settings, api_key="s3cret")) as secured:
+        assert secured.get("/v1/knowledge/search", params={"q": "x"}).status_code == 401
+        assert secured.get("/v1/knowledge/search", params={"q": "x"}, headers={"X-API-Key": "wrong"}).status_code == 401
+        assert secured.get("/v1/knowledge/search", params={"q": "x"}, headers={"X-API-Key": "s3cret"}).status_code == 200
+        assert secured.get("/v1/knowledge/search", params={"q": "x"},
+                           headers={"Authorization": "Bearer s3cret"}).status_code == 200
+
+
+def test_openapi_documents_the_endpoint(client):
+    spec = client.get("/openapi.json").json()
+    params = {p["name"] for p in spec["paths"]["/v1/knowledge/search"]["get"]["parameters"]}
+    assert {"q", "k", "source_id", "mode", "debug"} <= params
+
+
+def test_empty_knowledge_base_is_a_409(settings):
+    with TestClient(create_app(settings)) as empty:
+        response = empty.get("/v1/knowledge/search", params={"q": "anything"})
+    assert response.status_code == 409 and "kb ingest" in response.json()["detail"]
+
+
+CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
+
+
+def test_console_page_shows_results_with_per_arm_ranks(settings, ingested):
+    import uvicorn
+
+    assert CHROMIUM, "headless Chromium is required (make test installs Debian's chromium)"
+    server = uvicorn.Server(uvicorn.Config(create_app(settings), host="127.0.0.1", port=0, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    while not server.started:
+        time.sleep(0.05)
+    port = server.servers[0].sockets[0].getsockname()[1]
+    try:
+        dom = subprocess.run(
+            [CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
+             "--disable-component-update", "--disable-sync", "--no-first-run", "--virtual-time-budget=10000",
+             "--dump-dom", f"http://127.0.0.1:{port}/?q=AVX-039%20fault%20codes"],
+            capture_output=True, text=True, timeout=90, check=True).stdout
+    finally:
+        server.should_exit = True
+        thread.join(timeout=10)
+    assert dom.count('class="hit"') == 5
+    assert "samples:products/avx-series-manual.html" in dom
+    assert "lexical (BM25) #1" in dom and "dense #" in dom
