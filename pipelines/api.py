@@ -15,10 +15,10 @@ from typing import Literal
 from fastapi import Depends, FastAPI, HTTPException, Query, Request
 from fastapi.responses import HTMLResponse
 from fastapi.security import APIKeyHeader, HTTPAuthorizationCredentials, HTTPBearer
-from pydantic import BaseModel
+from pydantic import BaseModel, Field
 
 from pipelines.search import Filters
-from pipelines.service import EmptyKnowledgeBase, run_search
+from pipelines.service import EmptyKnowledgeBase, run_citation_check, run_search
 from pipelines.settings import Settings, load_settings
 
 CONSOLE = Path(__file__).parent / "console" / "index.html"
@@ -45,6 +45,16 @@ class SearchResponse(BaseModel):
     source_id: str | None
     mode: str
     chunks: list[Chunk]
+
+
+class Claim(BaseModel):
+    text: str = Field(min_length=1)
+    citations: list[int]
+
+
+class CitationRequest(BaseModel):
+    claims: list[Claim]
+    retrieved: list[int] = Field(description="Chunk ids of the retrieval set the answer was written from.")
 
 
 def create_app(settings: Settings | None = None, api_key: str | None = None) -> FastAPI:
@@ -93,6 +103,15 @@ def create_app(settings: Settings | None = None, api_key: str | None = None) -> 
             try:
                 return run_search(conn, settings, q, k, lexical_weight=lexical_weight, filters=filters, debug=debug,
                                   mode=mode)
+            except EmptyKnowledgeBase as exc:
+                raise HTTPException(status_code=409, detail=str(exc)) from exc
+
+    @app.post("/v1/citations/validate", dependencies=[Depends(authorised)])
+    def validate(request: Request, body: CitationRequest) -> dict:
+        """Each cited chunk: VALID (supports the claim), WEAK (retrieved, weak support) or INVALID (not retrieved)."""
+        with request.app.state.pool.connection() as conn:
+            try:
+                return run_citation_check(conn, settings, [c.model_dump() for c in body.claims], body.retrieved)
             except EmptyKnowledgeBase as exc:
                 raise HTTPException(status_code=409, detail=str(exc)) from exc
 

@@ -220,3 +220,23 @@ def serve(host, port) -> None:
     from pipelines.api import create_app
 
     uvicorn.run(create_app(api_key=os.environ.get("KB_API_KEY") or None), host=host, port=port)
+
+
+@main.command()
+@click.argument("answer", type=click.File("r"))
+@click.option("--json", "as_json", is_flag=True)
+def cite(answer, as_json) -> None:
+    """Validate an answer's citations. ANSWER is a JSON file (or - for stdin):
+    {"claims": [{"text": ..., "citations": [chunk_id, ...]}], "retrieved": [chunk_id, ...]}."""
+    from pipelines.database import connect
+    from pipelines.service import EmptyKnowledgeBase, run_citation_check
+
+    payload = json.load(answer)
+    settings = load_settings()
+    with connect(settings) as conn:
+        try:
+            data = run_citation_check(conn, settings, payload.get("claims", []), payload.get("retrieved", []))
+        except EmptyKnowledgeBase as exc:
+            raise click.ClickException(str(exc)) from exc
+    text = "\n".join(f"{c['status']:<8} chunk {c['chunk_id']}: {c['reason']} | {c['claim'][:70]}" for c in data["citations"])
+    _emit(data, as_json, text)

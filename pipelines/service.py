@@ -38,3 +38,14 @@ def run_search(conn: psycopg.Connection, settings: Settings, query: str, k: int 
         "query": query, "k": k, "source_id": filters.source_id, "mode": mode, "arm": arm,
         "chunks": [hit.as_dict(debug) for hit in hits],
     }
+
+
+def run_citation_check(conn: psycopg.Connection, settings: Settings, claims: list[dict], retrieved: list[int]) -> dict:
+    from pipelines.citations import validate_citations
+
+    model = active_model(conn)
+    if model is None:
+        raise EmptyKnowledgeBase("the knowledge base is empty: run `kb ingest` first")
+    results = validate_citations(conn, _query_embedder(model, settings), claims, retrieved)
+    counts = {status: sum(r.status == status for r in results) for status in ("VALID", "WEAK", "INVALID")}
+    return {"citations": [r.as_dict() for r in results], "summary": counts}

@@ -109,3 +109,19 @@ def test_console_page_shows_results_with_per_arm_ranks(settings, ingested):
     assert dom.count('class="hit"') == 5
     assert "samples:products/avx-series-manual.html" in dom
     assert "lexical (BM25) #1" in dom and "dense #" in dom
+
+
+def test_citations_are_valid_weak_or_invalid(client):
+    hits = client.get("/v1/knowledge/search", params={"q": "primary caregiver paid leave weeks", "k": 5, "debug": True}).json()["chunks"]
+    other = client.get("/v1/knowledge/search", params={"q": "DC bus overvoltage fault code", "k": 1}).json()["chunks"]
+    retrieved = [h["chunk_id"] for h in hits + other]
+    supporting, unrelated = hits[0]["chunk_id"], other[0]["chunk_id"]
+    body = {"retrieved": retrieved, "claims": [
+        {"text": "A primary caregiver gets 20 weeks of leave at full base pay.", "citations": [supporting]},
+        {"text": "A primary caregiver gets 20 weeks of leave at full base pay.", "citations": [unrelated]},
+        {"text": "The AVX-039 fan must be replaced every 30,000 hours.", "citations": [999999]},
+    ]}
+    result = client.post("/v1/citations/validate", json=body).json()
+    assert [c["status"] for c in result["citations"]] == ["VALID", "WEAK", "INVALID"]
+    assert result["summary"] == {"VALID": 1, "WEAK": 1, "INVALID": 1}
+    assert client.post("/v1/citations/validate", json={"claims": "nope"}).status_code == 422
