@@ -111,5 +111,19 @@ def every_live_chunk_is_searchable(kb: KnowledgeBase) -> dg.AssetCheckResult:
                                metadata={k: dg.MetadataValue.int(v) for k, v in problems.items()})
 
 
+@dg.asset_check(asset=published_chunks, blocking=True)
+def golden_set_hit_rate(kb: KnowledgeBase) -> dg.AssetCheckResult:
+    """hit@5 of the golden queries (KB_GOLDEN_SET) stays at or above KB_GOLDEN_FLOOR."""
+    from pipelines.golden import golden_hit_rate
+
+    with kb.connect() as conn:
+        result = golden_hit_rate(conn, kb.settings, kb.settings.golden_set)
+    return dg.AssetCheckResult(
+        passed=result["hit_rate"] >= kb.settings.golden_floor,
+        metadata={"hit@5": dg.MetadataValue.float(result["hit_rate"]), "queries": result["queries"],
+                  "floor": dg.MetadataValue.float(kb.settings.golden_floor),
+                  "misses": dg.MetadataValue.md("\n".join(f"- {m['query']} -> {m['document']}" for m in result["misses"]) or "none")})
+
+
 ASSETS = [source_documents, parsed_elements, chunk_drafts, enriched_chunks, chunk_embeddings, published_chunks]
-CHECKS = [every_live_chunk_is_searchable]
+CHECKS = [every_live_chunk_is_searchable, golden_set_hit_rate]

@@ -46,13 +46,24 @@ def test_assets_materialize_in_process_and_report_metadata(settings, tmp_path):
         assert again["published_chunks"]["chunks_written"].value == 0
 
 
-def test_the_searchability_check_passes_after_ingest(settings, tmp_path):
+def test_quality_checks_pass_after_ingest_and_the_golden_gate_fails_below_its_floor(settings, tmp_path, monkeypatch):
     with dg.instance_for_test(temp_dir=str(tmp_path)) as instance:
         result = dg.materialize([*ASSETS, *defs.asset_checks], resources={"kb": KnowledgeBase()}, instance=instance,
-                                partition_key="faq")
-        checks = result.get_asset_check_evaluations()
-        assert [c.check_name for c in checks] == ["every_live_chunk_is_searchable"]
-        assert checks[0].passed and checks[0].metadata["without_vector"].value == 0
+                                partition_key="samples")
+        checks = {c.check_name: c for c in result.get_asset_check_evaluations()}
+        assert checks["every_live_chunk_is_searchable"].passed
+        assert checks["every_live_chunk_is_searchable"].metadata["without_vector"].value == 0
+        golden = checks["golden_set_hit_rate"]
+        assert golden.passed and golden.metadata["queries"].value == 9  # the faq query is skipped: no faq source
+        assert golden.metadata["hit@5"].value == 1.0
+
+        bad = tmp_path / "golden.jsonl"
+        bad.write_text('{"query": "parental leave", "document": "samples:ops/postgres-runbook.txt"}\n')
+        monkeypatch.setenv("KB_GOLDEN_SET", str(bad))
+        failed = dg.materialize([*ASSETS, *defs.asset_checks], resources={"kb": KnowledgeBase()}, instance=instance,
+                                partition_key="samples", raise_on_error=False)
+        golden = {c.check_name: c for c in failed.get_asset_check_evaluations()}["golden_set_hit_rate"]
+        assert not golden.passed and golden.severity == dg.AssetCheckSeverity.ERROR
 
 
 def test_sensor_requests_a_refresh_only_for_sources_that_changed(settings, samples_copy, monkeypatch, tmp_path):
