@@ -95,6 +95,8 @@ def create_app(settings: Settings | None = None, api_key: str | None = None) -> 
         debug: bool = Query(False, description="Add each chunk's rank and score in each arm."),
         lexical_weight: float | None = Query(None, ge=0, le=1, description="RRF weight of the lexical arm."),
         groups: str | None = Query(None, description="Comma-separated groups of the caller (access lists)."),
+        diversity: float = Query(0.0, ge=0, le=1, description="MMR diversity over the candidates (0: off)."),
+        freshness: float = Query(0.0, ge=0, le=10, description="Boost for recent documents (0: off)."),
     ) -> dict:
         if mode != "chunks":
             raise HTTPException(status_code=501, detail=f"mode {mode!r} is reserved and not implemented yet")
@@ -102,7 +104,7 @@ def create_app(settings: Settings | None = None, api_key: str | None = None) -> 
         with request.app.state.pool.connection() as conn:
             try:
                 return run_search(conn, settings, q, k, lexical_weight=lexical_weight, filters=filters, debug=debug,
-                                  mode=mode)
+                                  mode=mode, diversity=diversity, freshness=freshness)
             except EmptyKnowledgeBase as exc:
                 raise HTTPException(status_code=409, detail=str(exc)) from exc
 

@@ -103,9 +103,13 @@ def status(as_json) -> None:
 @click.option("--group", "groups", multiple=True, help="A group the caller belongs to (repeatable).")
 @click.option("--as-of", "as_of", type=click.DateTime(["%Y-%m-%dT%H:%M:%S%z", "%Y-%m-%dT%H:%M:%S", "%Y-%m-%d"]),
               help="Answer from the knowledge base as it was at this time (UTC unless an offset is given).")
+@click.option("--diversity", default=0.0, type=click.FloatRange(0, 1), help="MMR diversity over the candidates (0: off).")
+@click.option("--freshness", default=0.0, type=click.FloatRange(0, None), help="Boost for recent documents (0: off).")
+@click.option("--no-rerank", is_flag=True, help="Skip the configured reranker (KB_RERANK).")
 @click.option("--debug", is_flag=True, help="Show each result's rank and score in each arm.")
 @click.option("--json", "as_json", is_flag=True)
-def search(query, k, source_id, arm, lexical_weight, k_overfetch, groups, as_of, debug, as_json) -> None:
+def search(query, k, source_id, arm, lexical_weight, k_overfetch, groups, as_of, diversity, freshness, no_rerank,
+           debug, as_json) -> None:
     """Hybrid search: dense vectors + BM25, fused with weighted Reciprocal Rank Fusion."""
     from pipelines.database import connect
     from pipelines.search import Filters
@@ -118,7 +122,8 @@ def search(query, k, source_id, arm, lexical_weight, k_overfetch, groups, as_of,
     with connect(settings) as conn:
         try:
             data = run_search(conn, settings, query, k, arm=arm, lexical_weight=lexical_weight,
-                              k_overfetch=k_overfetch, filters=filters, debug=debug)
+                              k_overfetch=k_overfetch, filters=filters, debug=debug, rerank=not no_rerank,
+                              diversity=diversity, freshness=freshness)
         except EmptyKnowledgeBase as exc:
             raise click.ClickException(str(exc)) from exc
     text = "\n\n".join(
@@ -194,11 +199,16 @@ def evaluate(dataset, split, database_url, weights, misses, as_json) -> None:
     queries, qrels = load_queries(dataset, split)
     source_id = f"beir-{name}"
     embedder = make_embedder(settings)
+    from pipelines.rerank import make_reranker
+
+    reranker = make_reranker(settings)
     configs = list(CONFIGURATIONS) + [Configuration(f"hybrid w={w:g}", "hybrid", w) for w in weights]
+    if reranker is not None:
+        configs.append(Configuration("hybrid+rerank", "hybrid", rerank=True))
     with connect(settings) as conn:
         register_source(conn, source_for_path(dataset / "corpus.jsonl", source_id))
         summary = run_ingest(conn, embedder, settings, [source_id], progress=_progress_factory(not as_json))
-        report = run_eval(conn, embedder, queries, qrels, source_id, configs, misses)
+        report = run_eval(conn, embedder, queries, qrels, source_id, configs, misses, reranker)
     data = {"dataset": str(dataset), "split": split, "queries": len(queries), "ingest": summary.counters(),
             "classifier": {str(k): v for k, v in sorted(classifier_weights(queries).items())}, "results": report}
     lines = [f"{dataset.name} ({split}, {len(queries)} queries)", f"{'configuration':<16}" + "".join(f"{m:>11}" for m in METRICS)]

@@ -24,6 +24,7 @@ class Configuration:
     name: str
     arm: str
     lexical_weight: float | None = None
+    rerank: bool = False
 
 
 CONFIGURATIONS = (
@@ -76,7 +77,8 @@ def score(run: dict[str, dict[str, float]], qrels: dict[str, dict[str, int]]) ->
 
 
 def evaluate(conn: psycopg.Connection, embedder: Embedder, queries: dict[str, str], qrels: dict[str, dict[str, int]],
-             source_id: str, configurations=CONFIGURATIONS, misses: bool = False) -> dict:
+             source_id: str, configurations=CONFIGURATIONS, misses: bool = False, reranker=None,
+             k_overfetch: int = 20) -> dict:
     """Run every query through each configuration; returns metrics per configuration (and misses if asked)."""
     vectors = dict(zip(queries, embedder.embed(list(queries.values()))))
     cached = _CachedQueries(embedder, {text: vectors[q] for q, text in queries.items()})
@@ -86,6 +88,8 @@ def evaluate(conn: psycopg.Connection, embedder: Embedder, queries: dict[str, st
         for qid, text in queries.items():
             hits = search(conn, cached, text, CHUNKS_PER_QUERY, arm=config.arm, lexical_weight=config.lexical_weight,
                           k_overfetch=CHUNKS_PER_QUERY, filters=Filters(source_id=source_id))
+            if config.rerank:  # the reranker sees the over-fetched head, as in serving
+                hits = reranker.rerank(text, hits[:k_overfetch]) + hits[k_overfetch:]
             run[qid] = document_run(hits)
         means, per_query = score(run, qrels)
         entry = {"metrics": means, "queries": len(queries)}

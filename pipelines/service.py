@@ -24,16 +24,43 @@ def _query_embedder(model_key: str, settings: Settings) -> Embedder:
     return _embedders[model_key]
 
 
+_rerankers: dict[tuple, object] = {}
+
+
+def _reranker(settings: Settings):
+    key = (settings.rerank, settings.rerank_model)
+    if key not in _rerankers:
+        from pipelines.rerank import make_reranker
+
+        _rerankers[key] = make_reranker(settings)
+    return _rerankers[key]
+
+
 def run_search(conn: psycopg.Connection, settings: Settings, query: str, k: int = 5, *, arm: str = "hybrid",
                lexical_weight: float | None = None, k_overfetch: int = 20, filters: Filters | None = None,
-               debug: bool = False, mode: str = "chunks") -> dict:
-    """Search with the active model (queries must be embedded in the vector space being served)."""
+               debug: bool = False, mode: str = "chunks", rerank: bool = True, diversity: float = 0.0,
+               freshness: float = 0.0) -> dict:
+    """Search with the active model (queries must be embedded in the vector space being served). The optional
+    stages (reranker when configured, MMR diversity, freshness boost) work on the over-fetched candidates."""
     model = active_model(conn)
     if model is None:
         raise EmptyKnowledgeBase("the knowledge base is empty: run `kb ingest` first")
     filters = filters or Filters()
-    hits = search(conn, _query_embedder(model, settings), query, k, arm=arm, lexical_weight=lexical_weight,
+    embedder = _query_embedder(model, settings)
+    reranker = _reranker(settings) if rerank else None
+    post = reranker is not None or diversity > 0 or freshness > 0
+    hits = search(conn, embedder, query, max(k_overfetch, k) if post else k, arm=arm, lexical_weight=lexical_weight,
                   k_overfetch=k_overfetch, filters=filters, model_key=model)
+    if post:
+        from pipelines.rerank import freshness_boost, mmr
+
+        if reranker is not None:
+            hits = reranker.rerank(query, hits)
+        if freshness > 0:
+            hits = freshness_boost(hits, freshness)
+        if diversity > 0:
+            hits = mmr(conn, model, embedder.embed([query])[0], hits, k, diversity)
+        hits = hits[:k]
     return {
         "query": query, "k": k, "source_id": filters.source_id, "mode": mode, "arm": arm,
         "chunks": [hit.as_dict(debug) for hit in hits],

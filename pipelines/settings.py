@@ -30,6 +30,8 @@ class Settings:
     freshness_hours: float = 24.0
     retention_days: int | None = None  # purge closed versions older than this; None keeps all history
     refresh_cron: str = "0 * * * *"
+    rerank: str | None = None  # "cross-encoder" | "llm" | None (off)
+    rerank_model: str = ""  # a local CrossEncoder path, or the chat model name for "llm"
     golden_set: Path = SAMPLES_DIR / "golden.jsonl"
     golden_floor: float = 0.8  # the asset check fails (and blocks downstream) below this hit@5
     sources: dict[str, str] = field(default_factory=dict)
@@ -73,6 +75,8 @@ def load_settings() -> Settings:
         freshness_hours=float(env.get("KB_FRESHNESS_HOURS", "24")),
         retention_days=int(env["KB_RETENTION_DAYS"]) if env.get("KB_RETENTION_DAYS") else None,
         refresh_cron=env.get("KB_REFRESH_CRON", "0 * * * *"),
+        rerank=env.get("KB_RERANK") or None,
+        rerank_model=env.get("KB_RERANK_MODEL", ""),
         golden_set=Path(env.get("KB_GOLDEN_SET", str(SAMPLES_DIR / "golden.jsonl"))),
         golden_floor=float(env.get("KB_GOLDEN_FLOOR", "0.8")),
         sources=_parse_sources(env.get("KB_SOURCES", DEFAULT_SOURCES)),

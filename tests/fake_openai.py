@@ -21,8 +21,10 @@ def fake_vector(text: str) -> list[float]:
 class FakeOpenAI:
     """Scripted failures first (status codes, or 'hang'), then correct answers; records what it saw."""
 
-    def __init__(self, failures=(), delay_s: float = 0.0):
+    def __init__(self, failures=(), delay_s: float = 0.0, chat_reply: str = "[]"):
         self.failures = list(failures)
+        self.chat_reply = chat_reply
+        self.prompts: list[str] = []
         self.delay_s = delay_s
         self.batches: list[int] = []
         self.attempt_times: list[float] = []
@@ -45,7 +47,14 @@ class FakeOpenAI:
                     if failure == "hang":
                         time.sleep(1.5)
                         return
-                    if failure:
+                    if self.path.endswith("/chat/completions"):
+                        fake.prompts.append(body["messages"][-1]["content"])
+                        payload = json.dumps({
+                            "id": "chat-1", "object": "chat.completion", "created": 0, "model": body["model"],
+                            "choices": [{"index": 0, "finish_reason": "stop",
+                                         "message": {"role": "assistant", "content": fake.chat_reply}}]}).encode()
+                        self.send_response(200)
+                    elif failure:
                         payload = json.dumps({"error": {"message": "slow down", "type": "rate_limit"}}).encode()
                         self.send_response(failure)
                         if failure == 429:
