@@ -190,7 +190,8 @@ def test_a_run_killed_mid_way_converges_to_the_clean_state(settings, embedder, s
     with connect(settings) as conn:
         resumed, resumed_vectors = content_of(conn), vectors_of(conn)
         conn.execute("TRUNCATE sources, documents, elements, chunk_drafts, chunks, failures, document_versions,"
-                     " vectors_local_all_minilm_l6_v2_384 RESTART IDENTITY CASCADE")
+                     " lexical_postings, lexical_terms, vectors_local_all_minilm_l6_v2_384 RESTART IDENTITY CASCADE")
+        conn.execute("UPDATE lexical_stats SET chunks = 0, total_length = 0")
         register_source(conn, source_for_path(samples_copy, "samples"))
         ingest(conn, embedder, load_settings(), ["samples"])
         assert content_of(conn) == resumed

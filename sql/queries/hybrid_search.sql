@@ -1,5 +1,6 @@
--- Hybrid search in one round trip: a dense arm (pgvector HNSW, cosine) and a lexical arm (BM25 over
--- lexical_terms / lexical_stats), each over-fetching :n candidates under the same filters, fused with
+-- Hybrid search in one round trip: a dense arm (pgvector HNSW, cosine) and a lexical arm (BM25 over the
+-- postings in lexical_postings, idf from lexical_terms, lengths from lexical_stats), each over-fetching
+-- n candidates under the same filters, fused with
 -- weighted Reciprocal Rank Fusion: score = (1 - w) / (rrf_k + dense_rank) + w / (rrf_k + lexical_rank).
 -- {vectors} is the active model's vector table and {filters} a predicate over chunks c and documents d
 -- (live or as-of rows, source, format, dates, entities, access groups), both filled in by pipelines/search.py.
@@ -11,8 +12,6 @@ WITH query_terms AS (
 ), weights AS (
     SELECT t.term, ln(1 + (corpus.n - t.df + 0.5) / (t.df + 0.5)) AS idf
     FROM lexical_terms t JOIN query_terms q USING (term), corpus
-), disjunction AS (
-    SELECT coalesce(string_agg(quote_literal(term), ' | '), '')::tsquery AS tsq FROM weights
 ), dense AS MATERIALIZED (
     SELECT c.chunk_id, v.embedding <=> %(vector)s AS distance
     FROM {vectors} v
@@ -23,19 +22,20 @@ WITH query_terms AS (
     LIMIT %(dense_n)s
 ), dense_ranked AS (
     SELECT chunk_id, 1 - distance AS score, row_number() OVER (ORDER BY distance, chunk_id) AS rank FROM dense
+), lexical_scores AS MATERIALIZED (
+    SELECT p.chunk_id,
+           sum(w.idf * (p.tf * (%(bm25_k1)s + 1))
+               / (p.tf + %(bm25_k1)s * (1 - %(bm25_b)s + %(bm25_b)s * p.length / corpus.avg_length))) AS score
+    FROM weights w JOIN lexical_postings p ON p.term = w.term CROSS JOIN corpus
+    WHERE (p.live OR %(as_of)s::timestamptz IS NOT NULL) AND %(lexical_n)s > 0
+    GROUP BY p.chunk_id
 ), lexical AS MATERIALIZED (
-    SELECT c.chunk_id,
-           sum(w.idf * (tf.f * (%(bm25_k1)s + 1))
-               / (tf.f + %(bm25_k1)s * (1 - %(bm25_b)s + %(bm25_b)s * c.lexical_length / corpus.avg_length))) AS score
-    FROM chunks c
+    SELECT s.chunk_id, s.score
+    FROM lexical_scores s
+    JOIN chunks c ON c.chunk_id = s.chunk_id
     JOIN documents d ON d.document_id = c.document_id
-    CROSS JOIN LATERAL unnest(c.search_tsv) AS u(lexeme, positions, weights_)
-    JOIN weights w ON w.term = u.lexeme
-    CROSS JOIN LATERAL (SELECT coalesce(array_length(u.positions, 1), 1)::float8 AS f) tf
-    CROSS JOIN corpus
-    WHERE c.search_tsv @@ (SELECT tsq FROM disjunction) AND {filters}
-    GROUP BY c.chunk_id
-    ORDER BY score DESC, c.chunk_id
+    WHERE {filters}
+    ORDER BY s.score DESC, s.chunk_id
     LIMIT %(lexical_n)s
 ), lexical_ranked AS (
     SELECT chunk_id, score, row_number() OVER (ORDER BY score DESC, chunk_id) AS rank FROM lexical
