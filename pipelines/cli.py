@@ -49,8 +49,10 @@ def main() -> None:
 @click.option("--source", "source_name", help="Source name (default: the folder or file name). One path only.")
 @click.option("--include", multiple=True, help="Glob of files to take from a folder (repeatable).")
 @click.option("--exclude", multiple=True, help="Glob of files to skip (repeatable).")
+@click.option("--group", "groups", multiple=True,
+              help="Only callers in this group may see the source's documents (repeatable; default: everyone).")
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable summary.")
-def ingest(paths, source_name, include, exclude, as_json) -> None:
+def ingest(paths, source_name, include, exclude, groups, as_json) -> None:
     """Ingest folders of documents and/or JSONL files of records."""
     from pipelines.database import connect
     from pipelines.embedders import make_embedder
@@ -61,7 +63,7 @@ def ingest(paths, source_name, include, exclude, as_json) -> None:
     if source_name and len(paths) > 1:
         raise click.UsageError("--source names one source: give one path with it")
     settings = load_settings()
-    sources = [source_for_path(p, source_name, include, exclude) for p in paths]
+    sources = [source_for_path(p, source_name, include, exclude, tuple(groups) or None) for p in paths]
     source_ids = [s.source_id for s in sources]
     with connect(settings) as conn, source_locks(conn, source_ids):
         for source in sources:
