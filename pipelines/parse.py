@@ -6,6 +6,7 @@ the pip-installed copy so that parsing never tries to download one at run time.
 
 from __future__ import annotations
 
+import importlib
 import os
 from functools import lru_cache
 from pathlib import Path
@@ -41,46 +42,27 @@ def offline_spacy() -> None:
     tokenize._get_nlp.cache_clear()
 
 
+# format -> (module, function, extra arguments) of unstructured's partitioners; imported on first use.
+PARTITIONERS = {
+    "pdf": ("unstructured.partition.pdf", "partition_pdf", {"strategy": "fast"}),
+    "html": ("unstructured.partition.html", "partition_html", {}),
+    "md": ("unstructured.partition.md", "partition_md", {}),
+    "txt": ("unstructured.partition.text", "partition_text", {}),
+    "docx": ("unstructured.partition.docx", "partition_docx", {}),
+    "pptx": ("unstructured.partition.pptx", "partition_pptx", {}),
+    "xlsx": ("unstructured.partition.xlsx", "partition_xlsx", {}),
+    "csv": ("unstructured.partition.csv", "partition_csv", {}),
+    "eml": ("unstructured.partition.email", "partition_email", {}),
+}
+
+
 def _partition(path: str, doc_format: str) -> list:
+    if doc_format not in PARTITIONERS:
+        raise ParseError(f"no parser for format {doc_format!r}")
     offline_spacy()
-    common = {"filename": path, "languages": ["eng"]}
-    if doc_format == "pdf":
-        from unstructured.partition.pdf import partition_pdf
-
-        return partition_pdf(strategy="fast", **common)
-    if doc_format == "html":
-        from unstructured.partition.html import partition_html
-
-        return partition_html(**common)
-    if doc_format == "md":
-        from unstructured.partition.md import partition_md
-
-        return partition_md(**common)
-    if doc_format == "txt":
-        from unstructured.partition.text import partition_text
-
-        return partition_text(**common)
-    if doc_format == "docx":
-        from unstructured.partition.docx import partition_docx
-
-        return partition_docx(**common)
-    if doc_format == "pptx":
-        from unstructured.partition.pptx import partition_pptx
-
-        return partition_pptx(**common)
-    if doc_format == "xlsx":
-        from unstructured.partition.xlsx import partition_xlsx
-
-        return partition_xlsx(**common)
-    if doc_format == "csv":
-        from unstructured.partition.csv import partition_csv
-
-        return partition_csv(**common)
-    if doc_format == "eml":
-        from unstructured.partition.email import partition_email
-
-        return partition_email(**common)
-    raise ParseError(f"no parser for format {doc_format!r}")
+    module, function, extra = PARTITIONERS[doc_format]
+    partition = getattr(importlib.import_module(module), function)
+    return partition(filename=path, languages=["eng"], **extra)
 
 
 def to_elements(raw: list) -> list[Element]:
