@@ -6,7 +6,7 @@ import pytest
 
 from pipelines.extract import register_source, source_for_path
 from pipelines.ingest import ingest
-from pipelines.search import RRF_K, Filters, lexical_weight_for, search
+from pipelines.search import BM25_B, BM25_K1, RRF_K, Filters, lexical_weight_for, search
 from pipelines.settings import SAMPLES_DIR, load_settings
 
 
@@ -29,8 +29,9 @@ def test_bm25_scores_match_the_formula_over_live_statistics(kb, embedder):
         for item in tsv.split(" "):
             lexeme, _, positions = item.rpartition(":")
             tf[lexeme.strip("'")] = len(positions.split(","))
-        expected = sum(math.log(1 + (n - df[t] + 0.5) / (df[t] + 0.5)) * tf[t] * 2.2 / (tf[t] + 1.2 * (0.25 + 0.75 * length / avg))
-                       for t in ("encod", "cabl", "replac") if t in tf)
+        k1, b = BM25_K1, BM25_B
+        expected = sum(math.log(1 + (n - df[t] + 0.5) / (df[t] + 0.5)) * tf[t] * (k1 + 1)
+                       / (tf[t] + k1 * (1 - b + b * length / avg)) for t in ("encod", "cabl", "replac") if t in tf)
         assert hit.lexical_score == pytest.approx(expected, rel=1e-9)
 
 
@@ -92,6 +93,7 @@ def test_query_classifier():
     assert lexical_weight_for("max_wal_senders") == 0.7
     assert lexical_weight_for("How do I request parental leave?") == 0.3
     assert lexical_weight_for("parental leave for adoptive parents") == 0.5
+    assert lexical_weight_for("20 weeks of parental leave") == 0.5
 
 
 def test_filters_apply_inside_both_arms(kb, embedder):
