@@ -118,3 +118,33 @@ def test_access_lists_hide_documents_from_callers_outside_their_groups(kb, embed
     assert all(h.source != "faq" for h in outsider)
     staff = search(kb, embedder, query, 3, filters=Filters(groups=["contractors", "staff"]))
     assert staff[0].source == "faq" and staff[0].document == "faq-001"
+
+
+def test_identifier_set_where_the_dense_arm_is_weak(conn, embedder, tmp_path):
+    """60 near-identical service notes that differ by their codes: the dense arm cannot tell AVX-039 from AVX-093,
+    the hybrid search must put the right note in the top 5 for every code."""
+    import json
+    import random
+
+    rng = random.Random(5)
+    faults = ["encoder signal lost", "DC bus overvoltage", "drive overtemperature", "fan failure", "brake fault"]
+    records = []
+    for i in range(60):
+        code, sku = f"AVX-{i:03d}", f"SKU-{rng.randint(10000, 99999)}-{rng.choice('ABC')}"
+        records.append({"_id": f"note-{i}", "title": f"Service note for drive {code}",
+                        "text": f"Drive {code} (spare part {sku}) reported {rng.choice(faults)}. Replace the part and "
+                                f"record the intervention in the maintenance log."})
+    path = tmp_path / "notes.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    register_source(conn, source_for_path(path, "notes"))
+    ingest(conn, embedder, load_settings())
+
+    def hit_at_5(arm):
+        found = 0
+        for record in records[::3]:
+            code = record["text"].split()[1]
+            found += record["_id"] in [h.document for h in search(conn, embedder, code, 5, arm=arm)]
+        return found / len(records[::3])
+
+    assert hit_at_5("hybrid") == 1.0
+    assert hit_at_5("dense") < 0.8  # the reason the lexical arm exists

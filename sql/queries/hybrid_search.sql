@@ -10,8 +10,11 @@ WITH query_terms AS (
     SELECT greatest(chunks, 1)::float8 AS n, greatest(total_length::float8 / greatest(chunks, 1), 1) AS avg_length
     FROM lexical_stats
 ), weights AS (
+    -- Terms in more than half of the live chunks carry no evidence (their classic Robertson/Sparck Jones idf is
+    -- <= 0) and are left out: otherwise every chunk that merely shares such a term would get a lexical rank.
     SELECT t.term, ln(1 + (corpus.n - t.df + 0.5) / (t.df + 0.5)) AS idf
     FROM lexical_terms t JOIN query_terms q USING (term), corpus
+    WHERE t.df <= corpus.n / 2
 ), dense AS MATERIALIZED (
     SELECT c.chunk_id, v.embedding <=> %(vector)s AS distance
     FROM {vectors} v
