@@ -25,11 +25,3 @@ class StageReport:
     def finish(self) -> "StageReport":
         self.elapsed_s = round(time.perf_counter() - self._started, 3)
         return self
-
-    def as_dict(self) -> dict:
-        return {
-            "stage": self.stage,
-            **dict(self.counts),
-            "elapsed_s": self.elapsed_s,
-            "failures": [str(f) for f in self.failures],
-        }
