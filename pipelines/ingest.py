@@ -82,9 +82,7 @@ def ingest(conn: psycopg.Connection, embedder: Embedder, settings: Settings, sou
     run_id = conn.execute("INSERT INTO ingest_runs (sources) VALUES (%s) RETURNING run_id",
                           (source_ids or [s.source_id for s in load_sources(conn)],)).fetchone()[0]
     summary.stages.append(extract(conn, load_sources(conn, source_ids)))
-    pending = conn.execute("SELECT count(*) FROM documents WHERE deleted_at IS NULL AND doc_format <> 'record'"
-                           " AND parsed_hash IS DISTINCT FROM content_hash").fetchone()[0]
-    summary.stages.append(parse_pending(conn, source_ids, progress=progress("parse", pending)))
+    summary.stages.append(parse_pending(conn, source_ids, progress_for=lambda total: progress("parse", total)))
     summary.stages.append(chunk_pending(conn, embedder.counter, source_ids))
     summary.stages.append(enrich_pending(conn, embedder.counter, source_ids))
     summary.stages.append(embed_all_models(conn, embedder, settings, source_ids, progress("embed", None)))

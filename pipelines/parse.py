@@ -116,10 +116,13 @@ ORDER BY d.document_id
 """
 
 
-def parse_pending(conn: psycopg.Connection, source_ids: list[str] | None = None, batch_size: int = 16, progress=None) -> StageReport:
-    """Parse every document whose bytes changed since they were last parsed, a batch per transaction."""
+def parse_pending(conn: psycopg.Connection, source_ids: list[str] | None = None, batch_size: int = 16,
+                  progress_for=None) -> StageReport:
+    """Parse every document whose bytes changed since they were last parsed, a batch per transaction.
+    progress_for(total) returns the callback advanced once per document."""
     report = StageReport(STAGE, ("parsed", "elements"))
     pending = conn.execute(PENDING, {"ids": source_ids}).fetchall()
+    progress = progress_for(len(pending)) if progress_for else None
     for start in range(0, len(pending), batch_size):
         batch = pending[start:start + batch_size]
         parsed, ok_by_source = [], {}
