@@ -50,7 +50,7 @@ def parsed_elements(context: dg.AssetExecutionContext, kb: KnowledgeBase) -> dg.
     from pipelines.parse import parse_pending
 
     with locked_source(kb, context) as (conn, source_ids):
-        report = parse_pending(conn, source_ids)
+        report = parse_pending(conn, source_ids, workers=kb.settings.parse_workers)
     _log_failures(context, report)
     return dg.MaterializeResult(metadata=report_metadata(report, "elements"))
 

@@ -13,10 +13,12 @@ import sys
 from pathlib import Path
 
 import numpy as np
+from psycopg import sql
 
 from pipelines.database import connect, database_url, ensure_database
-from pipelines.embedders import LocalEmbedder
+from pipelines.embedders import make_embedder
 from pipelines.search import EF_SEARCH, search
+from pipelines.vector_store import model_tables
 from pipelines.settings import load_settings
 
 
@@ -24,11 +26,12 @@ def main(dbname: str, dataset: Path, queries: int = 200) -> None:
     settings = load_settings()
     settings = dataclasses.replace(settings, database_url=ensure_database(database_url(settings), dbname))
     texts = [json.loads(line)["text"] for line in (dataset / "queries.jsonl").read_text().splitlines()][:queries]
-    embedder = LocalEmbedder()
+    embedder = make_embedder(settings)
     vectors = embedder.embed(texts)
     with connect(settings) as conn:
-        rows = conn.execute("SELECT c.chunk_id, v.embedding FROM chunks c JOIN vectors_local_all_minilm_l6_v2_384 v"
-                            " USING (text_hash) WHERE c.valid_to IS NULL").fetchall()
+        table = sql.Identifier(model_tables(conn)[embedder.model_key])
+        rows = conn.execute(sql.SQL("SELECT c.chunk_id, v.embedding FROM chunks c JOIN {} v USING (text_hash)"
+                                    " WHERE c.valid_to IS NULL").format(table)).fetchall()
         ids = np.array([r[0] for r in rows])
         matrix = np.stack([r[1].to_numpy() for r in rows])
         recalls = []

@@ -36,7 +36,7 @@ def main() -> None:
     os.environ["KB_HOME"] = str(args.home)
 
     from pipelines.database import connect
-    from pipelines.embedders import LocalEmbedder
+    from pipelines.embedders import make_embedder
     from pipelines.extract import register_source, source_for_path
     from pipelines.ingest import ingest
     from pipelines.settings import load_settings
@@ -46,7 +46,7 @@ def main() -> None:
     args.home.mkdir(parents=True, exist_ok=True)
     shutil.copyfile(args.corpus, work)
     records = [json.loads(line) for line in work.read_text().splitlines() if line.strip()]
-    embedder = LocalEmbedder()
+    embedder = make_embedder(settings)
     results = []
 
     def step(name: str, rows: list[dict]) -> None:

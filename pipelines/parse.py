@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import importlib
 import os
+from contextlib import contextmanager
 from functools import lru_cache
 from pathlib import Path
+from typing import Callable, Iterator
 
 import psycopg
 
@@ -21,6 +23,9 @@ from pipelines.report import StageReport
 STAGE = "parse"
 # Page furniture and empty shells carry no retrievable text.
 SKIPPED_CATEGORIES = {"PageBreak", "Image", "Header", "Footer", "PageNumber", "Formula"}
+
+
+POOL_MIN_DOCUMENTS_PER_WORKER = 16  # below this a worker's start-up costs more than it saves
 
 
 class ParseError(ValueError):
@@ -116,36 +121,60 @@ ORDER BY d.document_id
 """
 
 
+def _parse_task(task: tuple[str, str]) -> ParsedDocument | str:
+    """A worker's unit of work: the parsed document, or the reason it failed (exceptions stay in the worker)."""
+    path, doc_format = task
+    try:
+        return parse_file(path, doc_format)
+    except (ParseError, OSError) as exc:
+        return str(exc)
+
+
+@contextmanager
+def parse_workers(workers: int, documents: int) -> Iterator[Callable]:
+    """A `map` over parse tasks: in this process for one worker or a handful of documents, else a process pool.
+
+    Parsing is CPU-bound Python (the GIL rules out threads), so each core needs its own process. Workers are
+    spawned, not forked: the parent holds a database connection and library threads that a fork would copy.
+    Each worker imports unstructured once (a few seconds), which is why small runs stay in process.
+    """
+    if workers <= 1 or documents < POOL_MIN_DOCUMENTS_PER_WORKER * workers:
+        yield map
+        return
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
+    with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")) as pool:
+        yield lambda fn, tasks: pool.map(fn, tasks, chunksize=1)
+
+
 def parse_pending(conn: psycopg.Connection, source_ids: list[str] | None = None, batch_size: int = 16,
-                  progress_for=None) -> StageReport:
-    """Parse every document whose bytes changed since they were last parsed, a batch per transaction.
-    progress_for(total) returns the callback advanced once per document."""
+                  progress_for=None, workers: int = 1) -> StageReport:
+    """Parse every document whose bytes changed since they were last parsed, a batch per transaction, with
+    `workers` processes. progress_for(total) returns the callback advanced once per document."""
     report = StageReport(STAGE, ("parsed", "elements"))
     pending = conn.execute(PENDING, {"ids": source_ids}).fetchall()
     progress = progress_for(len(pending)) if progress_for else None
-    for start in range(0, len(pending), batch_size):
-        batch = pending[start:start + batch_size]
-        parsed, ok_by_source = [], {}
-        for doc_id, locator, doc_format, content_hash, location, source_id in batch:
-            path = str(Path(location) / locator)
-            try:
-                doc = parse_file(path, doc_format)
-            except (ParseError, OSError) as exc:
-                failure = Failure(source_id, locator, STAGE, f"{path}: {exc}")
-                report.fail(failure)
-                with conn.transaction():
-                    record_failure(conn, failure, content_hash)
+    with parse_workers(workers, len(pending)) as run:
+        for start in range(0, len(pending), batch_size):
+            batch = pending[start:start + batch_size]
+            results = run(_parse_task, [(str(Path(row[4]) / row[1]), row[2]) for row in batch])
+            parsed, ok_by_source = [], {}
+            for (doc_id, locator, doc_format, content_hash, location, source_id), result in zip(batch, results):
+                if isinstance(result, str):
+                    failure = Failure(source_id, locator, STAGE, f"{Path(location) / locator}: {result}")
+                    report.fail(failure)
+                    with conn.transaction():
+                        record_failure(conn, failure, content_hash)
+                else:
+                    parsed.append((doc_id, content_hash, result))
+                    ok_by_source.setdefault(source_id, []).append(locator)
                 if progress:
                     progress(1)
-                continue
-            parsed.append((doc_id, content_hash, doc))
-            ok_by_source.setdefault(source_id, []).append(locator)
-            if progress:
-                progress(1)
-        with conn.transaction():
-            if parsed:
-                report.counts["elements"] += write_elements(conn, parsed)
-            for source_id, locators in ok_by_source.items():
-                clear_failures(conn, source_id, locators, STAGE)
-        report.counts["parsed"] += len(parsed)
+            with conn.transaction():
+                if parsed:
+                    report.counts["elements"] += write_elements(conn, parsed)
+                for source_id, locators in ok_by_source.items():
+                    clear_failures(conn, source_id, locators, STAGE)
+            report.counts["parsed"] += len(parsed)
     return report.finish()

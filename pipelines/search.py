@@ -27,6 +27,12 @@ RRF_K = 60
 # Anserini's BM25 defaults (the BEIR baselines); not tuned on any split here. On SciFact train they give
 # lexical nDCG@10 0.695 against 0.690 for the textbook k1 1.2, b 0.75 (bench/README.md).
 BM25_K1, BM25_B = 0.9, 0.4
+# Lexical pruning (sql/queries/hybrid_search.sql): the rarest query terms whose posting lists sum to at most
+# POSTING_BUDGET nominate candidates (a lone common term reads only its best POSTING_BUDGET postings); the best
+# RESCORE_MIN (or 10x the over-fetch) candidates are completed with the other terms. Narrowing filters turn it
+# off (exact BM25), so a selective filter never runs out of candidates.
+POSTING_BUDGET = 20_000
+RESCORE_MIN = 1_000
 ARMS = ("hybrid", "dense", "lexical")
 
 # Codes and identifiers: letters and digits in one token (AVX-039, 42P07, HR-2024-047), snake_case names
@@ -54,6 +60,12 @@ class Filters:
     entities: dict | None = None  # JSONB containment, e.g. {"codes": ["AVX-039"]}
     groups: list[str] = field(default_factory=list)  # the caller's groups; documents with groups need one of them
     as_of: datetime | None = None
+
+    @property
+    def narrows(self) -> bool:
+        """True when the filters may exclude most of the corpus (access groups only hide restricted documents)."""
+        return any(getattr(self, name) is not None
+                   for name in ("source_id", "doc_format", "date_from", "date_to", "entities", "as_of"))
 
     def predicate(self) -> tuple[sql.Composable, dict]:
         parts = [sql.SQL("c.valid_to IS NULL") if self.as_of is None else
@@ -127,6 +139,8 @@ def search(conn: psycopg.Connection, embedder: Embedder, query: str, k: int = 5,
         **params, "query": query, "vector": vector, "k": k, "rrf_k": RRF_K, "lexical_weight": weight,
         "dense_n": n if arm != "lexical" else 0, "lexical_n": n if arm != "dense" else 0,
         "bm25_k1": BM25_K1, "bm25_b": BM25_B,
+        "posting_budget": None if filters.narrows else POSTING_BUDGET,
+        "rescore_n": None if filters.narrows else max(RESCORE_MIN, 10 * n),
     }).fetchall()
     return [Hit(*row) for row in rows]
 

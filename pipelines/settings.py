@@ -9,6 +9,7 @@ from pathlib import Path
 REPO_ROOT = Path(__file__).resolve().parent.parent
 SQL_DIR = REPO_ROOT / "sql"
 SAMPLES_DIR = REPO_ROOT / "samples"
+EMBEDDERS = ("local", "local-fp32", "openai")
 DEFAULT_SOURCES = f"samples={SAMPLES_DIR / 'docs'};faq={SAMPLES_DIR / 'faq.jsonl'}"
 
 
@@ -16,7 +17,7 @@ DEFAULT_SOURCES = f"samples={SAMPLES_DIR / 'docs'};faq={SAMPLES_DIR / 'faq.jsonl
 class Settings:
     home: Path
     database_url: str | None
-    embedder: str  # "local" or "openai"
+    embedder: str  # "local" (int8 ONNX), "local-fp32" (torch) or "openai"
     openai_model: str = "text-embedding-3-small"
     openai_base_url: str | None = None
     openai_api_key: str | None = None
@@ -35,11 +36,17 @@ class Settings:
     golden_set: Path = SAMPLES_DIR / "golden.jsonl"
     golden_floor: float = 0.8  # the asset check fails (and blocks downstream) below this hit@5
     sources: dict[str, str] = field(default_factory=dict)
+    parse_workers: int = 1  # processes that parse files in parallel
+    model_cache_dir: Path | None = None  # where the exported ONNX model is cached; None means KB_HOME/models
 
     @property
     def state_dir(self) -> Path:
         self.home.mkdir(parents=True, exist_ok=True)
         return self.home
+
+    @property
+    def model_cache(self) -> Path:
+        return self.model_cache_dir or self.home / "models"
 
 
 def _parse_sources(raw: str) -> dict[str, str]:
@@ -56,8 +63,8 @@ def _parse_sources(raw: str) -> dict[str, str]:
 def load_settings() -> Settings:
     env = os.environ
     embedder = env.get("KB_EMBEDDER", "local").lower()
-    if embedder not in ("local", "openai"):
-        raise ValueError(f"KB_EMBEDDER must be 'local' or 'openai', not {embedder!r}")
+    if embedder not in EMBEDDERS:
+        raise ValueError(f"KB_EMBEDDER must be one of {', '.join(EMBEDDERS)}, not {embedder!r}")
     dims = env.get("KB_OPENAI_DIMENSIONS")
     return Settings(
         home=Path(env.get("KB_HOME", ".kb")).expanduser().resolve(),
@@ -80,4 +87,6 @@ def load_settings() -> Settings:
         golden_set=Path(env.get("KB_GOLDEN_SET", str(SAMPLES_DIR / "golden.jsonl"))),
         golden_floor=float(env.get("KB_GOLDEN_FLOOR", "0.8")),
         sources=_parse_sources(env.get("KB_SOURCES", DEFAULT_SOURCES)),
+        parse_workers=int(env.get("KB_PARSE_WORKERS", str(min(len(os.sched_getaffinity(0)), 4)))),
+        model_cache_dir=Path(env["KB_MODEL_CACHE"]).expanduser().resolve() if env.get("KB_MODEL_CACHE") else None,
     )

@@ -14,6 +14,8 @@ from psycopg import sql
 from pipelines.settings import SQL_DIR
 
 TEMPLATE = SQL_DIR / "templates" / "vector_store.sql"
+INDEX_TEMPLATE = SQL_DIR / "templates" / "vector_index.sql"
+DEFER_INDEX_MIN_ROWS = 2_000  # loads smaller than this go through the live index
 
 
 def table_name(model_key: str) -> str:
@@ -30,8 +32,8 @@ def ensure_vector_store(conn: psycopg.Connection, model_key: str, dimensions: in
             raise ValueError(f"model {model_key} is registered with {row[1]} dimensions, not {dimensions}")
         return row[0]
     with conn.transaction():
-        ddl = TEMPLATE.read_text().format(table=table, index=f"{table}_hnsw", dimensions=int(dimensions))
-        conn.execute(ddl)
+        conn.execute(TEMPLATE.read_text().format(table=table, dimensions=int(dimensions)))
+        ensure_index(conn, table)
         active = conn.execute("SELECT count(*) FROM embedding_models WHERE state = 'active'").fetchone()[0]
         conn.execute(
             "INSERT INTO embedding_models (model_key, dimensions, vector_table, state, activated_at)"
@@ -39,6 +41,25 @@ def ensure_vector_store(conn: psycopg.Connection, model_key: str, dimensions: in
             (model_key, dimensions, table, "building" if active else "active", not active),
         )
     return table
+
+
+def ensure_index(conn: psycopg.Connection, table: str) -> None:
+    """Build the table's HNSW index if it is missing (after a deferred load, or one a crash interrupted)."""
+    conn.execute(INDEX_TEMPLATE.read_text().format(table=sql.Identifier(table).as_string(conn),
+                                                   index=sql.Identifier(f"{table}_hnsw").as_string(conn)))
+
+
+def defer_index(conn: psycopg.Connection, table: str, incoming: int) -> bool:
+    """Drop the HNSW index before a load that at least doubles the table (first ingest, model backfill), so it
+    is built once afterwards instead of grown row by row; `ensure_index` rebuilds it. Searches meanwhile fall
+    back to exact scans of a table that is small next to what is coming. Returns True when it dropped the index."""
+    if incoming < DEFER_INDEX_MIN_ROWS:
+        return False
+    stored = conn.execute(sql.SQL("SELECT count(*) FROM {}").format(sql.Identifier(table))).fetchone()[0]
+    if incoming < stored:
+        return False
+    conn.execute(sql.SQL("DROP INDEX IF EXISTS {}").format(sql.Identifier(f"{table}_hnsw")))
+    return True
 
 
 def vector_table(conn: psycopg.Connection, model_key: str) -> sql.Identifier:

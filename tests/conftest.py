@@ -21,6 +21,7 @@ def server_url(tmp_path_factory) -> str:
     """The server the tests create their databases on: DATABASE_URL if set, else an embedded one."""
     home = tmp_path_factory.mktemp("kb_home")
     os.environ["KB_HOME"] = str(home)
+    os.environ["KB_MODEL_CACHE"] = str(home / "models")  # one ONNX export for the whole session
     return database_url(dataclasses.replace(load_settings(), home=home))
 
 
@@ -52,10 +53,10 @@ def conn(settings):
 
 
 @pytest.fixture(scope="session")
-def embedder():
-    from pipelines.embedders import LocalEmbedder
+def embedder(server_url):
+    from pipelines.embedders import make_embedder
 
-    return LocalEmbedder()
+    return make_embedder(load_settings())  # the default: int8 ONNX, cached under KB_MODEL_CACHE
 
 
 @pytest.fixture

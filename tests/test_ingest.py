@@ -11,8 +11,11 @@ from pipelines.extract import register_source, source_for_path
 from pipelines.ingest import EXIT_FILE_FAILURES, ingest
 from pipelines.search import dense_search
 from pipelines.settings import SAMPLES_DIR, load_settings
+from pipelines.embedders import OnnxEmbedder
+from pipelines.vector_store import table_name
 
-CONTENT_TABLES = ("documents", "elements", "chunks", "chunk_drafts", "vectors_local_all_minilm_l6_v2_384")
+VECTORS = table_name(OnnxEmbedder.model_key)
+CONTENT_TABLES = ("documents", "elements", "chunks", "chunk_drafts", VECTORS)
 
 
 class CountingEmbedder:
@@ -58,7 +61,7 @@ def test_sample_corpus_is_ingested_with_chunks_metadata_and_vectors(conn, embedd
                         " WHERE c.entities @> '{\"codes\": [\"HR-2024-047\"]}'").fetchall()
     assert hits == [("handbook/leave-policy.md",)]
     # Vectors: one per distinct embedded text, unit length, 384-d.
-    vectors = conn.execute("SELECT embedding FROM vectors_local_all_minilm_l6_v2_384").fetchall()
+    vectors = conn.execute(f"SELECT embedding FROM {VECTORS}").fetchall()
     assert len(vectors) == conn.execute("SELECT count(DISTINCT text_hash) FROM chunks").fetchone()[0]
     norms = np.linalg.norm(np.array([np.asarray(v[0].to_numpy()) for v in vectors]), axis=1)
     assert np.allclose(norms, 1, atol=1e-3) and len(vectors[0][0].to_numpy()) == 384

@@ -70,3 +70,29 @@ def test_corrupt_file_names_the_reason(tmp_path: Path):
     broken.write_bytes(b"this is not a zip archive")
     with pytest.raises(ParseError, match="cannot parse as docx"):
         parse_file(str(broken), "docx")
+
+
+def test_process_pool_parses_like_one_process_and_still_records_failures(conn, tmp_path: Path):
+    """Enough files for two workers: same elements as parsing in this process; a bad file fails alone."""
+    import shutil
+
+    from pipelines.extract import extract, load_sources, register_source, source_for_path
+    from pipelines.parse import POOL_MIN_DOCUMENTS_PER_WORKER, parse_pending
+
+    folder = tmp_path / "many"
+    shutil.copytree(DOCS, folder)
+    for i in range(2 * POOL_MIN_DOCUMENTS_PER_WORKER):
+        (folder / f"note-{i:02d}.md").write_text(f"# Note {i}\n\nService note {i} for drive AVX-{i:03d}.\n")
+    (folder / "broken.docx").write_bytes(b"not a zip archive")
+    register_source(conn, source_for_path(folder, "many"))
+    extract(conn, load_sources(conn))
+    report = parse_pending(conn, workers=2)
+
+    assert [f.locator for f in report.failures] == ["broken.docx"]
+    assert str(folder / "broken.docx") in report.failures[0].reason
+    assert report.counts["parsed"] == len(list(folder.rglob("*.*"))) - 1
+    stored = conn.execute("SELECT d.locator, array_agg(e.text ORDER BY e.seq) FROM elements e"
+                          " JOIN documents d USING (document_id) GROUP BY d.locator").fetchall()
+    for locator, texts in stored:
+        doc_format = conn.execute("SELECT doc_format FROM documents WHERE locator = %s", (locator,)).fetchone()[0]
+        assert texts == [e.text for e in parse_file(str(folder / locator), doc_format).elements], locator

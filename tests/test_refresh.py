@@ -17,6 +17,7 @@ import pytest
 
 from pipelines import drafts, publish
 from pipelines.database import connect
+from pipelines.embedders import OnnxEmbedder
 from pipelines.extract import register_source, source_for_path
 from pipelines.history import document_history, purge_history
 from pipelines.ingest import ingest
@@ -24,9 +25,10 @@ from pipelines.locks import source_locks
 from pipelines.search import dense_search
 from pipelines.settings import load_settings
 from pipelines.staleness import sweep
-from pipelines.vector_store import active_model, model_tables
+from pipelines.vector_store import active_model, model_tables, table_name
 
 POLICY = "handbook/leave-policy.md"
+VECTORS = table_name(OnnxEmbedder.model_key)
 
 
 class CountingEmbedder:
@@ -159,7 +161,7 @@ CONTENT = {
     "documents": "SELECT source_id, locator, content_hash, parsed_hash, published_key, title, metadata, deleted_at IS NULL FROM documents",
     "elements": "SELECT d.locator, e.seq, e.category, e.text, e.section_path FROM elements e JOIN documents d USING (document_id)",
     "chunks": "SELECT d.locator, c.ordinal, c.text, c.embed_text, c.text_hash, c.entities, c.valid_to IS NULL FROM chunks c JOIN documents d USING (document_id)",
-    "vectors": "SELECT text_hash FROM vectors_local_all_minilm_l6_v2_384",
+    "vectors": f"SELECT text_hash FROM {VECTORS}",
     "drafts": "SELECT document_id FROM chunk_drafts",
 }
 
@@ -169,7 +171,7 @@ def content_of(conn) -> dict:
 
 
 def vectors_of(conn) -> dict:
-    rows = conn.execute("SELECT text_hash, embedding FROM vectors_local_all_minilm_l6_v2_384").fetchall()
+    rows = conn.execute(f"SELECT text_hash, embedding FROM {VECTORS}").fetchall()
     return {h: v.to_numpy() for h, v in rows}
 
 
@@ -190,7 +192,7 @@ def test_a_run_killed_mid_way_converges_to_the_clean_state(settings, embedder, s
     with connect(settings) as conn:
         resumed, resumed_vectors = content_of(conn), vectors_of(conn)
         conn.execute("TRUNCATE sources, documents, elements, chunk_drafts, chunks, failures, document_versions,"
-                     " lexical_postings, lexical_terms, vectors_local_all_minilm_l6_v2_384 RESTART IDENTITY CASCADE")
+                     f" lexical_postings, lexical_terms, {VECTORS} RESTART IDENTITY CASCADE")
         conn.execute("UPDATE lexical_stats SET chunks = 0, total_length = 0")
         register_source(conn, source_for_path(samples_copy, "samples"))
         ingest(conn, embedder, load_settings(), ["samples"])

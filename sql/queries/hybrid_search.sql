@@ -9,10 +9,14 @@ WITH query_terms AS (
 ), corpus AS (
     SELECT greatest(chunks, 1)::float8 AS n, greatest(total_length::float8 / greatest(chunks, 1), 1) AS avg_length
     FROM lexical_stats
-), weights AS (
+), weights AS MATERIALIZED (
     -- Terms in more than half of the live chunks carry no evidence (their classic Robertson/Sparck Jones idf is
     -- <= 0) and are left out: otherwise every chunk that merely shares such a term would get a lexical rank.
-    SELECT t.term, ln(1 + (corpus.n - t.df + 0.5) / (t.df + 0.5)) AS idf
+    -- A term is essential when it is the rarest one, or when it and all rarer terms together have at most
+    -- %(posting_budget)s postings (NULL: every term is essential, exact BM25).
+    SELECT t.term, ln(1 + (corpus.n - t.df + 0.5) / (t.df + 0.5)) AS idf,
+           row_number() OVER (ORDER BY t.df, t.term) = 1
+           OR sum(t.df) OVER (ORDER BY t.df, t.term) <= coalesce(%(posting_budget)s, 'Infinity'::float8) AS essential
     FROM lexical_terms t JOIN query_terms q USING (term), corpus
     WHERE t.df <= corpus.n / 2
 ), dense AS MATERIALIZED (
@@ -25,13 +29,34 @@ WITH query_terms AS (
     LIMIT %(dense_n)s
 ), dense_ranked AS (
     SELECT chunk_id, 1 - distance AS score, row_number() OVER (ORDER BY distance, chunk_id) AS rank FROM dense
-), lexical_scores AS MATERIALIZED (
+), candidates AS MATERIALIZED (
+    -- BM25 with MaxScore-style pruning: the essential terms' postings nominate candidates, each list read
+    -- best-impact first (high tf, then short chunk: lexical_postings_impact) and cut at the budget, so a query
+    -- made only of common words reads a bounded prefix instead of a corpus-long list. The best candidates by
+    -- this partial score are then completed with the other terms by primary-key lookups. With every term
+    -- essential and no cut (posting_budget NULL), this is exact BM25.
     SELECT p.chunk_id,
            sum(w.idf * (p.tf * (%(bm25_k1)s + 1))
                / (p.tf + %(bm25_k1)s * (1 - %(bm25_b)s + %(bm25_b)s * p.length / corpus.avg_length))) AS score
-    FROM weights w JOIN lexical_postings p ON p.term = w.term CROSS JOIN corpus
-    WHERE (p.live OR %(as_of)s::timestamptz IS NOT NULL) AND %(lexical_n)s > 0
+    FROM weights w
+    CROSS JOIN LATERAL (
+        SELECT lp.chunk_id, lp.tf, lp.length FROM lexical_postings lp
+        WHERE lp.term = w.term AND (lp.live OR %(as_of)s::timestamptz IS NOT NULL)
+        ORDER BY lp.tf DESC, lp.length
+        LIMIT %(posting_budget)s
+    ) p
+    CROSS JOIN corpus
+    WHERE w.essential AND %(lexical_n)s > 0
     GROUP BY p.chunk_id
+    ORDER BY score DESC, p.chunk_id
+    LIMIT %(rescore_n)s
+), lexical_scores AS MATERIALIZED (
+    SELECT s.chunk_id, s.score + coalesce((
+        SELECT sum(w.idf * (p.tf * (%(bm25_k1)s + 1))
+                   / (p.tf + %(bm25_k1)s * (1 - %(bm25_b)s + %(bm25_b)s * p.length / corpus.avg_length)))
+        FROM weights w JOIN lexical_postings p ON p.term = w.term AND p.chunk_id = s.chunk_id CROSS JOIN corpus
+        WHERE NOT w.essential), 0) AS score
+    FROM candidates s
 ), lexical AS MATERIALIZED (
     SELECT s.chunk_id, s.score
     FROM lexical_scores s

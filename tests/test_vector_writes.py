@@ -1,0 +1,63 @@
+"""Vector writes: the bulk writer is idempotent and atomic per batch; big loads build the HNSW index once, after."""
+
+import numpy as np
+import psycopg
+import pytest
+from psycopg import sql
+
+from pipelines import vector_store
+from pipelines.embedding import embed_pending, store_vectors
+from pipelines.extract import register_source, source_for_path
+from pipelines.ingest import ingest
+from pipelines.settings import SAMPLES_DIR, load_settings
+from pipelines.vector_store import ensure_vector_store
+
+
+def rows(conn, table: str) -> list:
+    """(xmin, hash, vector) per row: a rewritten row shows even when its values are equal."""
+    return conn.execute(sql.SQL("SELECT xmin::text, text_hash, embedding::text FROM {} ORDER BY 2")
+                        .format(sql.Identifier(table))).fetchall()
+
+
+def hnsw_index(conn, table: str) -> str | None:
+    row = conn.execute("SELECT indexdef FROM pg_indexes WHERE tablename = %s AND indexdef LIKE '%%USING hnsw%%'",
+                       (table,)).fetchone()
+    return row[0] if row else None
+
+
+def test_bulk_writer_is_idempotent_and_atomic_per_batch(conn):
+    table = ensure_vector_store(conn, "test:bulk:4", 4)
+    target = sql.Identifier(table)
+    vectors = np.eye(3, 4, dtype=np.float32)
+    assert store_vectors(conn, target, ["a", "b", "c"], vectors) == 3
+    stored = rows(conn, table)
+    assert store_vectors(conn, target, ["a", "b", "c"], vectors) == 0
+    assert rows(conn, table) == stored, "a rerun rewrites nothing"
+
+    bad = np.array([[0, 0, 0, 1], [np.nan, 0, 0, 0]], dtype=np.float32)
+    with pytest.raises(psycopg.Error, match="NaN"):
+        store_vectors(conn, target, ["d", "e"], bad)
+    assert rows(conn, table) == stored, "a failed batch leaves nothing half-written and loses nothing stored"
+    assert store_vectors(conn, target, ["c", "d"], np.eye(2, 4, dtype=np.float32)) == 1
+
+
+def test_big_load_builds_the_index_after_the_rows_small_ones_use_it(conn, embedder, monkeypatch):
+    monkeypatch.setattr(vector_store, "DEFER_INDEX_MIN_ROWS", 10)  # the sample corpus has ~40 chunks
+    register_source(conn, source_for_path(SAMPLES_DIR / "docs", "samples"))
+    summary = ingest(conn, embedder, load_settings())
+    table = vector_store.table_name(embedder.model_key)
+    assert summary.stage("embed").counts["index_deferred"] == 1
+    assert hnsw_index(conn, table) is not None, "the index is rebuilt at the end of the load"
+    total = summary.stage("embed").counts["computed"]
+
+    # A small change goes through the live index: nothing is dropped under a serving table.
+    conn.execute(sql.SQL("DELETE FROM {} WHERE text_hash IN (SELECT text_hash FROM {} LIMIT 3)")
+                 .format(sql.Identifier(table), sql.Identifier(table)))
+    report = embed_pending(conn, embedder)
+    assert report.counts["computed"] == 3 and report.counts["index_deferred"] == 0
+    assert conn.execute(sql.SQL("SELECT count(*) FROM {}").format(sql.Identifier(table))).fetchone()[0] == total
+
+    # A load interrupted after dropping the index (a crash) gets it back on the next run, even with nothing to do.
+    conn.execute(sql.SQL("DROP INDEX {}").format(sql.Identifier(f"{table}_hnsw")))
+    assert embed_pending(conn, embedder).counts["computed"] == 0
+    assert hnsw_index(conn, table) is not None
