@@ -17,16 +17,15 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import os
 import time
-from pathlib import Path
 
 import numpy as np
 import psycopg
 from psycopg import sql
 
-RESULTS = Path(__file__).parent / "results" / "bulk_upsert.json"
+from bench.report import print_table, write_results
+
 
 
 def main() -> None:
@@ -88,14 +87,10 @@ def main() -> None:
     bulk_rate = rows[-1]["rows_per_s"]
     for row in rows:
         row["kb_bulk_speedup"] = round(bulk_rate / row["rows_per_s"], 1)
-    print(f"{'variant':40} {'seconds':>8} {'rows/s':>8} {'kb bulk is':>11}")
-    for row in rows:
-        print(f"{row['variant']:40} {row['seconds']:>8} {row['rows_per_s']:>8} {row['kb_bulk_speedup']:>10}x")
+    print_table(rows, ["variant", "seconds", "rows_per_s", "kb_bulk_speedup"])
     print(f"kb bulk rerun of all {args.rows} rows: {rerun['seconds']} s, {rerun['new_rows']} new, {rerun['stored']} stored")
-    RESULTS.parent.mkdir(exist_ok=True)
-    RESULTS.write_text(json.dumps({"rows": args.rows, "dimensions": 384, "index": "primary key + hnsw (cosine)",
-                                   "variants": rows, "idempotent_rerun": rerun}, indent=2))
-
+    write_results("bulk_upsert", {"rows": args.rows, "dimensions": 384, "index": "primary key + hnsw (cosine)",
+                                  "variants": rows, "idempotent_rerun": rerun})
 
 if __name__ == "__main__":
     main()

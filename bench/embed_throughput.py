@@ -17,11 +17,9 @@ from pathlib import Path
 
 import numpy as np
 
+from bench.report import print_table, write_results
 from pipelines.embedders import OnnxEmbedder, TorchEmbedder
 from pipelines.enrich import embed_text
-
-RESULTS = Path(__file__).parent / "results" / "embed_throughput.json"
-
 
 def timed(embedder, texts: list[str]) -> tuple[np.ndarray, float]:
     embedder.embed(texts[:16])  # load the model and warm up before the clock starts
@@ -55,14 +53,10 @@ def main() -> None:
     result = {"texts": len(texts), "mean_word_pieces": round(float(np.mean(onnx.counter.count(texts))), 1),
               "rows": rows, "speedup": round(fp32_s / int8_s, 2), "onnx_export_s": round(export_s, 1),
               "cosine_int8_vs_fp32": {"min": round(float(cosine.min()), 4), "mean": round(float(cosine.mean()), 4)}}
-    print(f"{'embedder':48} {'chunks/s':>9} {'seconds':>8}")
-    for row in rows:
-        print(f"{row['embedder']:48} {row['chunks_per_s']:>9} {row['seconds']:>8}")
+    print_table(rows, ["embedder", "chunks_per_s", "seconds"])
     print(f"speedup {result['speedup']}x, export once {result['onnx_export_s']} s, "
           f"cosine min {result['cosine_int8_vs_fp32']['min']} mean {result['cosine_int8_vs_fp32']['mean']}")
-    RESULTS.parent.mkdir(exist_ok=True)
-    RESULTS.write_text(json.dumps(result, indent=2))
-
+    write_results("embed_throughput", result)
 
 if __name__ == "__main__":
     main()

@@ -10,9 +10,9 @@ import numpy as np
 import psycopg
 
 from pipelines import bulk
-from pipelines.vector_store import ensure_vector_store
+from pipelines.vector_store import defer_index, ensure_vector_store
 
-MODEL_KEY, DIMENSIONS = "local:all-MiniLM-L6-v2:384", 384
+MODEL_KEY, DIMENSIONS = "bench:synthetic:384", 384
 VOCABULARY = 30_000
 
 
@@ -27,11 +27,11 @@ def unit_vectors(rng: np.random.Generator, count: int) -> np.ndarray:
 
 
 def build(conn: psycopg.Connection, chunks: int, seed: int = 7, batch: int = 20_000) -> str:
-    """Insert `chunks` live chunks (10 per document) and their vectors, without the HNSW index; returns the
-    vector table."""
+    """Insert `chunks` live chunks (10 per document) and their vectors, without the HNSW index (the caller builds
+    it once, as kb's embed stage does after a big load); returns the vector table."""
     rng = np.random.default_rng(seed)
     table = ensure_vector_store(conn, MODEL_KEY, DIMENSIONS)
-    conn.execute(f"DROP INDEX IF EXISTS {table}_hnsw")  # load first, index once: the caller builds it
+    defer_index(conn, table, chunks)
     conn.execute("INSERT INTO sources (source_id, kind, location) VALUES ('synthetic', 'folder', '/synthetic')"
                  " ON CONFLICT DO NOTHING")
     for start in range(0, chunks, batch):

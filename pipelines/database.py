@@ -17,14 +17,17 @@ from pipelines.settings import Settings
 
 _embedded_uris: dict[Path, str] = {}
 
-# Applied to the embedded server only; a DATABASE_URL server is the operator's to tune.
+# Applied to the embedded server only; a DATABASE_URL server is the operator's to tune. Sized for a 1M-chunk
+# store on a small machine (bench/README.md, "Search at 1M chunks"):
 EMBEDDED_SERVER_SETTINGS = {
-    "shared_buffers": "512MB",
-    "maintenance_work_mem": "1GB",
-    "work_mem": "32MB",
-    "max_parallel_maintenance_workers": "2",
-    "effective_cache_size": "4GB",
-    "max_wal_size": "4GB",
+    "shared_buffers": "1GB",  # hot HNSW pages and posting lists stay in PostgreSQL's own cache
+    "effective_cache_size": "8GB",  # the OS page cache holds the rest: prefer index scans
+    "random_page_cost": "1.1",  # local SSD, not spinning disk
+    "work_mem": "32MB",  # per sort/hash node: the lexical arm's aggregation fits
+    "maintenance_work_mem": "3GB",  # an HNSW build keeps its graph in memory: about 2.5 KB per 384-d vector
+    "max_parallel_maintenance_workers": "2",  # HNSW and btree builds use the cores
+    "jit": "off",  # compiling the hybrid query costs more than it saves on a 10-50 ms query
+    "max_wal_size": "4GB",  # bulk loads without checkpoint storms
     "checkpoint_timeout": "15min",
 }
 

@@ -82,6 +82,37 @@ def _pdf_text(text: str) -> str:
     return text.replace("\\", "\\\\").replace("(", "\\(").replace(")", "\\)")
 
 
+def pdf_bytes(pages: list[list[tuple[str, int, str]]], info: bytes) -> bytes:
+    """A valid PDF from pages of (font F1 regular or F2 bold, size, line of text), top to bottom; `info` is the
+    document information dictionary. Latin-1 text only; no PDF library needed."""
+    objects: list[bytes] = []
+    page_ids = [5 + 2 * i for i in range(len(pages))]
+    objects.append(b"<< /Type /Catalog /Pages 2 0 R >>")
+    objects.append(f"<< /Type /Pages /Kids [{' '.join(f'{p} 0 R' for p in page_ids)}] /Count {len(pages)} >>".encode())
+    objects.append(b"<< /Type /Font /Subtype /Type1 /BaseFont /Helvetica /Encoding /WinAnsiEncoding >>")
+    objects.append(b"<< /Type /Font /Subtype /Type1 /BaseFont /Helvetica-Bold /Encoding /WinAnsiEncoding >>")
+    for lines in pages:
+        y, ops = 760, []
+        for font, size, text in lines:
+            y -= size + 12
+            ops.append(f"BT /{font} {size} Tf 72 {y} Td ({_pdf_text(text)}) Tj ET")
+        stream = "\n".join(ops).encode("latin-1", errors="replace")
+        page_id = 5 + 2 * (len(objects) - 4) // 2
+        objects.append(f"<< /Type /Page /Parent 2 0 R /MediaBox [0 0 612 792] /Contents {page_id + 1} 0 R"
+                       " /Resources << /Font << /F1 3 0 R /F2 4 0 R >> >> >>".encode())
+        objects.append(b"<< /Length %d >>\nstream\n" % len(stream) + stream + b"\nendstream")
+    objects.append(info)
+    out, offsets = bytearray(b"%PDF-1.4\n"), []
+    for number, body in enumerate(objects, 1):
+        offsets.append(len(out))
+        out += b"%d 0 obj\n" % number + body + b"\nendobj\n"
+    xref = len(out)
+    out += b"xref\n0 %d\n0000000000 65535 f \n" % (len(objects) + 1)
+    out += b"".join(b"%010d 00000 n \n" % off for off in offsets)
+    out += b"trailer\n<< /Size %d /Root 1 0 R /Info %d 0 R >>\nstartxref\n%d\n%%%%EOF\n" % (len(objects) + 1, len(objects), xref)
+    return bytes(out)
+
+
 def access_standard_pdf(path: Path) -> None:
     """A small, valid PDF written by hand (Helvetica, two pages): no PDF library is needed to make it."""
     pages = [
@@ -101,33 +132,8 @@ def access_standard_pdf(path: Path) -> None:
          ("F1", 11, "Accounts of leavers are disabled on their last working day by 18:00."),
          ("F1", 11, "Report exceptions to security@northwind-robotics.com.")],
     ]
-    objects: list[bytes] = []
-    page_ids = [5 + 2 * i for i in range(len(pages))]
-    objects.append(b"<< /Type /Catalog /Pages 2 0 R >>")
-    objects.append(f"<< /Type /Pages /Kids [{' '.join(f'{p} 0 R' for p in page_ids)}] /Count {len(pages)} >>".encode())
-    objects.append(b"<< /Type /Font /Subtype /Type1 /BaseFont /Helvetica /Encoding /WinAnsiEncoding >>")
-    objects.append(b"<< /Type /Font /Subtype /Type1 /BaseFont /Helvetica-Bold /Encoding /WinAnsiEncoding >>")
-    for lines in pages:
-        y, ops = 760, []
-        for font, size, text in lines:
-            y -= size + 12
-            ops.append(f"BT /{font} {size} Tf 72 {y} Td ({_pdf_text(text)}) Tj ET")
-        stream = "\n".join(ops).encode("latin-1")
-        page_id = 5 + 2 * (len(objects) - 4) // 2
-        objects.append(f"<< /Type /Page /Parent 2 0 R /MediaBox [0 0 612 792] /Contents {page_id + 1} 0 R"
-                       " /Resources << /Font << /F1 3 0 R /F2 4 0 R >> >> >>".encode())
-        objects.append(b"<< /Length %d >>\nstream\n" % len(stream) + stream + b"\nendstream")
-    objects.append(b"<< /Title (Access Control Standard) /Author (Information Security Office)"
-                   b" /CreationDate (D:20240415100000Z) >>")
-    out, offsets = bytearray(b"%PDF-1.4\n"), []
-    for number, body in enumerate(objects, 1):
-        offsets.append(len(out))
-        out += b"%d 0 obj\n" % number + body + b"\nendobj\n"
-    xref = len(out)
-    out += b"xref\n0 %d\n0000000000 65535 f \n" % (len(objects) + 1)
-    out += b"".join(b"%010d 00000 n \n" % off for off in offsets)
-    out += b"trailer\n<< /Size %d /Root 1 0 R /Info %d 0 R >>\nstartxref\n%d\n%%%%EOF\n" % (len(objects) + 1, len(objects), xref)
-    path.write_bytes(bytes(out))
+    info = b"<< /Title (Access Control Standard) /Author (Information Security Office) /CreationDate (D:20240415100000Z) >>"
+    path.write_bytes(pdf_bytes(pages, info))
 
 
 def incident_email(path: Path) -> None:

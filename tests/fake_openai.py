@@ -13,16 +13,17 @@ import numpy as np
 DIMENSIONS = 8
 
 
-def fake_vector(text: str) -> list[float]:
+def fake_vector(text: str, dimensions: int = DIMENSIONS) -> list[float]:
     seed = int.from_bytes(text.encode()[:16].ljust(16, b"\0"), "little") % (2**32)
-    return np.random.default_rng(seed + len(text)).normal(size=DIMENSIONS).tolist()
+    return np.random.default_rng(seed + len(text)).normal(size=dimensions).tolist()
 
 
 class FakeOpenAI:
     """Scripted failures first (status codes, or 'hang'), then correct answers; records what it saw."""
 
-    def __init__(self, failures=(), delay_s: float = 0.0, chat_reply: str = "[]"):
+    def __init__(self, failures=(), delay_s: float = 0.0, chat_reply: str = "[]", dimensions: int = DIMENSIONS):
         self.failures = list(failures)
+        self.dimensions = dimensions
         self.chat_reply = chat_reply
         self.prompts: list[str] = []
         self.delay_s = delay_s
@@ -66,7 +67,7 @@ class FakeOpenAI:
                             fake.batches.append(len(inputs))
                         payload = json.dumps({
                             "object": "list", "model": body["model"],
-                            "data": [{"object": "embedding", "index": i, "embedding": fake_vector(t)}
+                            "data": [{"object": "embedding", "index": i, "embedding": fake_vector(t, fake.dimensions)}
                                      for i, t in reversed(list(enumerate(inputs)))],
                             "usage": {"prompt_tokens": 1, "total_tokens": 1}}).encode()
                         self.send_response(200)

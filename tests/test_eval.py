@@ -56,7 +56,7 @@ def test_kb_eval_on_a_scifact_slice(settings, scifact_slice):
     data = json.loads(result.stdout)
     assert data["queries"] == 30 and data["ingest"]["documents_published"] == data["ingest"]["documents_seen"]
     metrics = {name: r["metrics"] for name, r in data["results"].items()}
-    # Known numbers for this slice (local all-MiniLM-L6-v2; measured when the test was written).
+    # Known numbers for this slice (default int8 all-MiniLM-L6-v2; fp32 gave dense hit@5 0.9333, nDCG 0.8748).
     for config, values in KNOWN.items():
         for metric, value in values.items():
             assert metrics[config][metric] == pytest.approx(value, abs=0.02), (config, metric)
@@ -64,7 +64,7 @@ def test_kb_eval_on_a_scifact_slice(settings, scifact_slice):
 
 
 KNOWN = {
-    "dense": {"hit@1": 0.8, "hit@5": 0.9333, "mrr@10": 0.8556, "ndcg@10": 0.8748, "recall@100": 1.0},
+    "dense": {"hit@1": 0.8, "hit@5": 0.9, "mrr@10": 0.8492, "ndcg@10": 0.8692, "recall@100": 1.0},
     "lexical": {"hit@1": 0.7, "hit@5": 0.8667, "mrr@10": 0.7778, "ndcg@10": 0.7968, "recall@100": 0.9667},
-    "hybrid": {"hit@1": 0.6667, "hit@5": 0.8667, "mrr@10": 0.7679, "ndcg@10": 0.8155, "recall@100": 1.0},
+    "hybrid": {"hit@1": 0.6667, "hit@5": 0.9, "mrr@10": 0.769, "ndcg@10": 0.8165, "recall@100": 1.0},
 }
