@@ -27,7 +27,6 @@ from psycopg import sql
 from bench.report import print_table, write_results
 
 
-
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--rows", type=int, default=50_000)

@@ -148,3 +148,31 @@ def test_identifier_set_where_the_dense_arm_is_weak(conn, embedder, tmp_path):
 
     assert hit_at_5("hybrid") == 1.0
     assert hit_at_5("dense") < 0.8  # the reason the lexical arm exists
+
+
+def test_lexical_pruning_bounds_the_work_and_keeps_scores_exact(kb, embedder, monkeypatch):
+    """Beyond the posting budget only the rarest term nominates candidates (its best postings first); the other
+    terms still complete each candidate's score, so every returned score is the exact BM25 score."""
+    import pipelines.search as search_module
+
+    query = "policy leave weeks approval manager"
+    exact = {h.chunk_id: h.lexical_score for h in search(kb, embedder, query, 100, arm="lexical", k_overfetch=100)}
+    df = dict(kb.execute("SELECT t.term, t.df FROM lexical_terms t JOIN unnest(kb_lexemes(%s)) u ON u.lexeme = t.term",
+                         (query,)).fetchall())
+    rarest = min(df, key=lambda t: (df[t], t))
+    assert sum(df.values()) > 3 and df[rarest] >= 1, "the query must overflow a budget of 3 postings"
+
+    monkeypatch.setattr(search_module, "POSTING_BUDGET", 3)
+    pruned = search(kb, embedder, query, 100, arm="lexical", k_overfetch=100)
+    assert 0 < len(pruned) <= 3
+    for hit in pruned:
+        assert hit.lexical_score == pytest.approx(exact[hit.chunk_id], rel=1e-9)
+        tf = kb.execute("SELECT tf FROM lexical_postings WHERE term = %s AND chunk_id = %s", (rarest, hit.chunk_id)).fetchone()
+        assert tf is not None, "candidates come from the rarest term's postings"
+
+    # A narrowing filter turns pruning off: exact BM25 within the filter.
+    filtered = search(kb, embedder, query, 100, arm="lexical", k_overfetch=100, filters=Filters(source_id="samples"))
+    assert all(h.lexical_score == pytest.approx(exact[h.chunk_id], rel=1e-9) for h in filtered)
+    assert len(filtered) > 3 and len(filtered) == kb.execute(
+        "SELECT count(DISTINCT p.chunk_id) FROM lexical_postings p JOIN chunks c USING (chunk_id) JOIN documents d"
+        " USING (document_id) WHERE p.live AND d.source_id = 'samples' AND p.term = ANY(%s)", (list(df),)).fetchone()[0]
