@@ -123,9 +123,9 @@ def _prepare(conn: psycopg.Connection, candidates: int) -> None:
 
 def search(conn: psycopg.Connection, embedder: Embedder, query: str, k: int = 5, *, arm: str = "hybrid",
            lexical_weight: float | None = None, k_overfetch: int = 20, filters: Filters | None = None,
-           model_key: str | None = None) -> list[Hit]:
+           model_key: str | None = None, vector: np.ndarray | None = None) -> list[Hit]:
     """Top-k chunks for a query. `arm` picks dense, lexical or both fused; lexical_weight None lets the
-    query classifier choose."""
+    query classifier choose. `vector` is the query's embedding when the caller already has it."""
     if arm not in ARMS:
         raise ValueError(f"arm must be one of {ARMS}")
     filters = filters or Filters()
@@ -133,7 +133,8 @@ def search(conn: psycopg.Connection, embedder: Embedder, query: str, k: int = 5,
     if not 0 <= weight <= 1:
         raise ValueError("lexical_weight must be between 0 and 1")
     n = max(k_overfetch, k)
-    vector = embedder.embed([query])[0] if arm != "lexical" else np.zeros(embedder.dimensions, dtype=np.float32)
+    if vector is None:
+        vector = embedder.embed([query])[0] if arm != "lexical" else np.zeros(embedder.dimensions, dtype=np.float32)
     predicate, params = filters.predicate()
     statement = sql.SQL(HYBRID).format(vectors=vector_table(conn, model_key or embedder.model_key), filters=predicate)
     _prepare(conn, n)

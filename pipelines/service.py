@@ -49,8 +49,9 @@ def run_search(conn: psycopg.Connection, settings: Settings, query: str, k: int 
     embedder = _query_embedder(model, settings)
     reranker = _reranker(settings) if rerank else None
     post = reranker is not None or diversity > 0 or freshness > 0
+    vector = embedder.embed([query])[0] if arm != "lexical" or diversity > 0 else None  # embedded once, used twice
     hits = search(conn, embedder, query, max(k_overfetch, k) if post else k, arm=arm, lexical_weight=lexical_weight,
-                  k_overfetch=k_overfetch, filters=filters, model_key=model)
+                  k_overfetch=k_overfetch, filters=filters, model_key=model, vector=vector)
     if post:
         from pipelines.rerank import freshness_boost, mmr
 
@@ -59,7 +60,7 @@ def run_search(conn: psycopg.Connection, settings: Settings, query: str, k: int 
         if freshness > 0:
             hits = freshness_boost(hits, freshness)
         if diversity > 0:
-            hits = mmr(conn, model, embedder.embed([query])[0], hits, k, diversity)
+            hits = mmr(conn, model, vector, hits, k, diversity)
         hits = hits[:k]
     return {
         "query": query, "k": k, "source_id": filters.source_id, "mode": mode, "arm": arm,

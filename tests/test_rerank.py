@@ -60,3 +60,20 @@ def test_freshness_boost_prefers_recent_documents(kb, embedder):
     newest = max(dated, key=lambda h: h.doc_date)
     assert boosted[0].doc_date == newest.doc_date
     assert np.isclose(freshness_boost(list(hits), weight=0.0)[0].score, max(h.score for h in hits))
+
+
+def test_search_with_diversity_embeds_the_query_once(kb, embedder, settings, monkeypatch):
+    from pipelines import service
+
+    calls = []
+
+    class Counting:
+        model_key, dimensions, counter = embedder.model_key, embedder.dimensions, embedder.counter
+
+        def embed(self, texts):
+            calls.append(texts)
+            return embedder.embed(texts)
+
+    monkeypatch.setitem(service._embedders, embedder.model_key, Counting())
+    response = service.run_search(kb, settings, "primary and secondary caregiver leave", 3, diversity=0.5)
+    assert len(response["chunks"]) == 3 and calls == [["primary and secondary caregiver leave"]]
