@@ -33,8 +33,9 @@ def ensure_vector_store(conn: psycopg.Connection, model_key: str, dimensions: in
         return row[0]
     with conn.transaction():
         conn.execute(TEMPLATE.read_text().format(table=table, dimensions=int(dimensions)))
-        ensure_index(conn, table)
         active = conn.execute("SELECT count(*) FROM embedding_models WHERE state = 'active'").fetchone()[0]
+        if not active:
+            ensure_index(conn, table)  # it serves from its first vector; a model being built gets its index at activation
         conn.execute(
             "INSERT INTO embedding_models (model_key, dimensions, vector_table, state, activated_at)"
             " VALUES (%s, %s, %s, %s, CASE WHEN %s THEN now() END) ON CONFLICT (model_key) DO NOTHING",
@@ -50,9 +51,10 @@ def ensure_index(conn: psycopg.Connection, table: str) -> None:
 
 
 def defer_index(conn: psycopg.Connection, table: str, incoming: int) -> bool:
-    """Drop the HNSW index before a load that at least doubles the table (first ingest, model backfill), so it
-    is built once afterwards instead of grown row by row; `ensure_index` rebuilds it. Searches meanwhile fall
-    back to exact scans of a table that is small next to what is coming. Returns True when it dropped the index."""
+    """Drop a serving table's HNSW index before a load that at least doubles it (a first ingest), so it is built
+    once afterwards instead of grown row by row; `ensure_index` rebuilds it. Searches meanwhile fall back to
+    exact scans of a table that is small next to what is coming. Returns True when it dropped the index.
+    (A model being built has no index at all until `activate_if_complete`.)"""
     if incoming < DEFER_INDEX_MIN_ROWS:
         return False
     stored = conn.execute(sql.SQL("SELECT count(*) FROM {}").format(sql.Identifier(table))).fetchone()[0]
@@ -84,9 +86,23 @@ def active_model(conn: psycopg.Connection) -> str | None:
 MISSING_LIVE = "SELECT count(*) FROM chunks c WHERE c.valid_to IS NULL AND NOT EXISTS (SELECT 1 FROM {} v WHERE v.text_hash = c.text_hash)"
 
 
+def model_state(conn: psycopg.Connection, model_key: str) -> str | None:
+    row = conn.execute("SELECT state FROM embedding_models WHERE model_key = %s", (model_key,)).fetchone()
+    return row[0] if row else None
+
+
 def activate_if_complete(conn: psycopg.Connection, model_key: str) -> bool:
     """Switch search to a model being built once every live chunk has its vector, in one transaction, then drop
-    the previous model's table and index. Returns True when the model is (now) the active one."""
+    the previous model's table and index. Returns True when the model is (now) the active one.
+
+    The new table's HNSW index is built here, once, over the complete backfill and before it serves."""
+    state, table = conn.execute("SELECT state, vector_table FROM embedding_models WHERE model_key = %s",
+                                (model_key,)).fetchone()
+    if state == "active":
+        return True
+    if conn.execute(sql.SQL(MISSING_LIVE).format(sql.Identifier(table))).fetchone()[0]:
+        return False
+    ensure_index(conn, table)
     with conn.transaction():
         state, table = conn.execute("SELECT state, vector_table FROM embedding_models WHERE model_key = %s FOR UPDATE",
                                     (model_key,)).fetchone()

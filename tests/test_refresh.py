@@ -144,6 +144,8 @@ def test_model_switch_builds_beside_the_serving_model_and_switches_atomically(co
         embed_pending(conn, new, shards=list("01234567"))
         assert not activate_if_complete(conn, new.model_key)
         assert active_model(conn) == embedder.model_key
+        new_table = model_tables(conn)[new.model_key]
+        assert not hnsw_indexes(conn, new_table), "a model being built grows no HNSW index row by row"
         assert dense_search(conn, embedder, "fault code encoder signal lost", k=1)[0].document
         # Resume: only what is missing is embedded, then the switch happens and the old table and index go.
         first_half = sum(fake.batches)
@@ -152,9 +154,15 @@ def test_model_switch_builds_beside_the_serving_model_and_switches_atomically(co
         assert sum(fake.batches) == total and first_half < total
         assert activate_if_complete(conn, new.model_key)
         assert active_model(conn) == new.model_key
+        assert hnsw_indexes(conn, new_table) == [f"{new_table}_hnsw"], "built once, before it serves"
         assert conn.execute("SELECT to_regclass(%s)", (old_table,)).fetchone()[0] is None
         hits = dense_search(conn, new, "fault code encoder signal lost", k=3)
         assert len(hits) == 3
+
+
+def hnsw_indexes(conn, table: str) -> list[str]:
+    return [r[0] for r in conn.execute("SELECT indexname FROM pg_indexes WHERE tablename = %s AND indexdef LIKE '%%hnsw%%'",
+                                       (table,)).fetchall()]
 
 
 CONTENT = {
