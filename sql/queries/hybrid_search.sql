@@ -51,10 +51,11 @@ WITH query_terms AS (
     ORDER BY score DESC, p.chunk_id
     LIMIT %(rescore_n)s
 ), lexical_scores AS MATERIALIZED (
+    -- One primary-key probe (term, chunk) per candidate and remaining term; none when every term was essential.
     SELECT s.chunk_id, s.score + coalesce((
         SELECT sum(w.idf * (p.tf * (%(bm25_k1)s + 1))
                    / (p.tf + %(bm25_k1)s * (1 - %(bm25_b)s + %(bm25_b)s * p.length / corpus.avg_length)))
-        FROM weights w JOIN lexical_postings p ON p.term = w.term AND p.chunk_id = s.chunk_id CROSS JOIN corpus
+        FROM weights w JOIN lexical_postings p ON p.chunk_id = s.chunk_id AND p.term = w.term CROSS JOIN corpus
         WHERE NOT w.essential), 0) AS score
     FROM candidates s
 ), lexical AS MATERIALIZED (
