@@ -6,21 +6,21 @@ Each size gets its own database on the embedded server (KB_HOME, default /tmp/kb
 reused by later runs (--rebuild starts over). Reports load and HNSW build time, table + index size per chunk,
 and median/p95 latency of 200 hybrid queries (dense + BM25 + RRF, k=10, k_overfetch=20) from one client and
 from 4 concurrent clients, with their queries per second. Query embedding is not included (the vectors are
-synthetic). Writes bench/results/search_latency.json.
+synthetic). Writes bench/results/search_latency_<sizes>.json.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import os
 import statistics
 import time
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import numpy as np
+
+from bench.report import write_results
 
 QUERIES = 200
 MODEL_KEY, DIMENSIONS = "bench:synthetic:384", 384  # as bench/synthetic.py builds it
@@ -125,9 +125,7 @@ def main() -> None:
         url = ensure_database(server, f"kb_bench_search_{size}")
         results.append(measure(url, settings, size))
         print(results[-1], flush=True)
-    out = Path(__file__).parent / "results"
-    out.mkdir(exist_ok=True)
-    (out / "search_latency.json").write_text(json.dumps(results, indent=2))
+    write_results("search_latency_" + "_".join(str(size) for size in args.chunks), {"sizes": results})
 
 
 if __name__ == "__main__":

@@ -205,8 +205,11 @@ def test_a_run_killed_mid_way_converges_to_the_clean_state(settings, embedder, s
         register_source(conn, source_for_path(samples_copy, "samples"))
         ingest(conn, embedder, load_settings(), ["samples"])
         assert content_of(conn) == resumed
-        clean = vectors_of(conn)  # batch composition moves float32 results in the 7th digit, no more
-        assert all(np.allclose(clean[h], resumed_vectors[h], atol=1e-5) for h in clean)
+        # Same texts, same vectors up to batch composition: the int8 model quantizes activations per batch, so
+        # a text's vector moves by quantization noise with its batch peers (cosine >= 0.99), no more.
+        clean = vectors_of(conn)
+        assert clean.keys() == resumed_vectors.keys()
+        assert all(float(np.dot(clean[h], resumed_vectors[h])) >= 0.99 for h in clean)
 
 
 def test_two_concurrent_runs_of_one_source_do_the_work_once(settings, embedder, samples_copy):
