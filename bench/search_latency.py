@@ -55,10 +55,7 @@ def build_once(conn, size: int) -> dict:
     ensure_index(conn, table)
     hnsw_s = time.perf_counter() - started
     conn.execute("ANALYZE")
-    size_bytes = conn.execute("SELECT sum(pg_total_relation_size(c)) FROM unnest(ARRAY['chunks', 'lexical_postings',"
-                              " %s]::regclass[]) c", (table,)).fetchone()[0]
-    facts = {"chunks": size, "load_s": round(load_s, 1), "hnsw_build_s": round(hnsw_s, 1),
-             "bytes_per_chunk": round(size_bytes / size)}
+    facts = {"chunks": size, "load_s": round(load_s, 1), "hnsw_build_s": round(hnsw_s, 1)}
     conn.execute("INSERT INTO bench_build VALUES (%s)", (facts,))
     return facts
 
@@ -89,6 +86,10 @@ def measure(url: str, settings, size: int) -> dict:
 
     with connect(dataclasses.replace(settings, database_url=url)) as conn:
         facts = build_once(conn, size)
+        table = conn.execute("SELECT vector_table FROM embedding_models WHERE model_key = %s", (MODEL_KEY,)).fetchone()[0]
+        size_bytes = conn.execute("SELECT sum(pg_total_relation_size(c)) FROM unnest(ARRAY['chunks', 'lexical_postings',"
+                                  " %s]::regclass[]) c", (table,)).fetchone()[0]
+        facts["bytes_per_chunk"] = round(size_bytes / size)
     rng = np.random.default_rng(11)
     queries = [" ".join(words(rng, 4)) for _ in range(QUERIES)]
     vectors = unit_vectors(rng, QUERIES)

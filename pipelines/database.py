@@ -26,7 +26,6 @@ EMBEDDED_SERVER_SETTINGS = {
     "work_mem": "32MB",  # per sort/hash node: the lexical arm's aggregation fits
     "maintenance_work_mem": "3GB",  # an HNSW build keeps its graph in memory: about 2.5 KB per 384-d vector
     "max_parallel_maintenance_workers": "2",  # HNSW and btree builds use the cores
-    "jit": "off",  # compiling the hybrid query costs more than it saves on a 10-50 ms query
     "max_wal_size": "4GB",  # bulk loads without checkpoint storms
     "checkpoint_timeout": "15min",
 }

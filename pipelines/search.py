@@ -114,12 +114,10 @@ class Hit:
 
 
 def _prepare(conn: psycopg.Connection, candidates: int) -> None:
-    """The session's settings for this search, in one round trip. JIT is off on any server: compiling the hybrid
-    query at 1M chunks took longer than running it."""
+    """The session's HNSW settings for this search, in one round trip."""
     ef_search = min(max(EF_SEARCH, 2 * candidates), 1000)
     conn.execute("SELECT set_config('hnsw.ef_search', %s, false), set_config('hnsw.iterative_scan', 'relaxed_order', false),"
-                 " set_config('hnsw.max_scan_tuples', %s, false), set_config('jit', 'off', false)",
-                 (str(ef_search), str(MAX_SCAN_TUPLES)))
+                 " set_config('hnsw.max_scan_tuples', %s, false)", (str(ef_search), str(MAX_SCAN_TUPLES)))
 
 
 def search(conn: psycopg.Connection, embedder: Embedder, query: str, k: int = 5, *, arm: str = "hybrid",
