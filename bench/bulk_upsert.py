@@ -82,8 +82,10 @@ def main() -> None:
     with connect(settings) as conn:
         for number, (group, name, hnsw, write) in enumerate(variants):
             table = ensure_vector_store(conn, f"bench:variant{number}:384", 384)
-            if not hnsw:
-                conn.execute(sql.SQL("DROP INDEX {}").format(sql.Identifier(f"{table}_hnsw")))
+            if hnsw:
+                ensure_index(conn, table)  # only the first model a store sees is created with its index
+            else:
+                conn.execute(sql.SQL("DROP INDEX IF EXISTS {}").format(sql.Identifier(f"{table}_hnsw")))
             started = time.perf_counter()
             write(conn, table)
             seconds = time.perf_counter() - started
