@@ -91,25 +91,30 @@ def model_state(conn: psycopg.Connection, model_key: str) -> str | None:
     return row[0] if row else None
 
 
+def _switch_readiness(conn: psycopg.Connection, model_key: str, lock: bool = False) -> tuple[str, str]:
+    """("active" | "incomplete" | "ready", vector table) for a model; `lock` holds its row until commit."""
+    state, table = conn.execute("SELECT state, vector_table FROM embedding_models WHERE model_key = %s"
+                                + (" FOR UPDATE" if lock else ""), (model_key,)).fetchone()
+    if state == "active":
+        return state, table
+    missing = conn.execute(sql.SQL(MISSING_LIVE).format(sql.Identifier(table))).fetchone()[0]
+    return ("incomplete" if missing else "ready"), table
+
+
 def activate_if_complete(conn: psycopg.Connection, model_key: str) -> bool:
     """Switch search to a model being built once every live chunk has its vector, in one transaction, then drop
     the previous model's table and index. Returns True when the model is (now) the active one.
 
-    The new table's HNSW index is built here, once, over the complete backfill and before it serves."""
-    state, table = conn.execute("SELECT state, vector_table FROM embedding_models WHERE model_key = %s",
-                                (model_key,)).fetchone()
-    if state == "active":
-        return True
-    if conn.execute(sql.SQL(MISSING_LIVE).format(sql.Identifier(table))).fetchone()[0]:
-        return False
+    The new table's HNSW index is built here, once, over the complete backfill and before it serves (outside
+    the switch's transaction, which re-checks readiness under a row lock)."""
+    readiness, table = _switch_readiness(conn, model_key)
+    if readiness != "ready":
+        return readiness == "active"
     ensure_index(conn, table)
     with conn.transaction():
-        state, table = conn.execute("SELECT state, vector_table FROM embedding_models WHERE model_key = %s FOR UPDATE",
-                                    (model_key,)).fetchone()
-        if state == "active":
-            return True
-        if conn.execute(sql.SQL(MISSING_LIVE).format(sql.Identifier(table))).fetchone()[0]:
-            return False
+        readiness, _ = _switch_readiness(conn, model_key, lock=True)
+        if readiness != "ready":
+            return readiness == "active"
         retired = conn.execute("UPDATE embedding_models SET state = 'retired' WHERE state = 'active' RETURNING vector_table").fetchall()
         conn.execute("UPDATE embedding_models SET state = 'active', activated_at = now() WHERE model_key = %s", (model_key,))
         for (old_table,) in retired:
