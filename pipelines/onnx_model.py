@@ -1,7 +1,7 @@
 """all-MiniLM-L6-v2 as an int8 ONNX graph: exported once from the wheel's weights, cached, and reused.
 
 Why: on a 2-core machine torch fp32 embeds about 28 chunks/s and makes the model the bottleneck of every
-first ingest and backfill; this graph in onnxruntime runs about 2.7x faster with cosine >= 0.98 to fp32
+first ingest and backfill; this graph in onnxruntime runs 2.2-2.5x faster with cosine >= 0.99 to fp32
 (bench/embed_throughput.py). Why export here instead of shipping the file: the wheel already ships the
 weights, and the export is deterministic (same weights, recipe and library versions give the same bytes),
 so the cache name is a function of exactly those inputs and needs no network.
@@ -32,11 +32,11 @@ INPUTS = ("input_ids", "attention_mask", "token_type_ids")
 
 
 def _cache_name() -> str:
-    import onnxruntime
-    import torch
+    """Weights, recipe and the exporting libraries' versions (read without importing torch: queries load this)."""
+    from importlib.metadata import version
 
     weights, _ = hash_file(str(local_model_dir() / "model.safetensors"))
-    key = hash_text("|".join((RECIPE, weights, torch.__version__, onnxruntime.__version__)))
+    key = hash_text("|".join((RECIPE, weights, version("torch"), version("onnxruntime"))))
     return f"all-MiniLM-L6-v2-int8-{key[:16]}.onnx"
 
 
@@ -63,6 +63,7 @@ def int8_model(cache_dir: Path) -> Path:
 def _export_fp32(path: Path) -> None:
     import warnings
 
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")  # a local path needs no hub; never let it try
     import torch
     from transformers import AutoModel
 
