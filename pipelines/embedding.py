@@ -13,7 +13,7 @@ from psycopg import sql
 from pipelines import bulk
 from pipelines.embedders import Embedder
 from pipelines.report import StageReport
-from pipelines.vector_store import defer_index, ensure_index, ensure_vector_store, model_state
+from pipelines.vector_store import active_model, defer_index, ensure_index, ensure_vector_store
 
 # Texts of drafts and of live chunks with no vector in this model's table, in hash order (keyset pages, so an
 # interrupted run resumes where it stopped). Optionally limited to some sources and to shards of the hash space
@@ -46,9 +46,11 @@ def embed_pending(conn: psycopg.Connection, embedder: Embedder, source_ids: list
     after = ""
     query = sql.SQL(MISSING).format(vectors=vectors)
     params = {"limit": batch_size, "shards": shards, "ids": source_ids}
-    missing = conn.execute(sql.SQL("SELECT count(*) FROM ({}) m").format(query), {**params, "after": after, "limit": None})
-    serving = model_state(conn, embedder.model_key) == "active"
-    report.counts["index_deferred"] = int(serving and defer_index(conn, table, missing.fetchone()[0]))
+    serving = active_model(conn) == embedder.model_key
+    if serving:
+        missing = conn.execute(sql.SQL("SELECT count(*) FROM ({}) m").format(query),
+                               {**params, "after": after, "limit": None}).fetchone()[0]
+        report.counts["index_deferred"] = int(defer_index(conn, table, missing))
     while rows := conn.execute(query, {**params, "after": after}).fetchall():
         hashes = [r[0] for r in rows]
         store_vectors(conn, vectors, hashes, embedder.embed([r[1] for r in rows]))

@@ -15,7 +15,7 @@ from pipelines.parse import parse_pending
 from pipelines.publish import publish_ready
 from pipelines.report import StageReport
 from pipelines.settings import Settings
-from pipelines.vector_store import activate_if_complete, ensure_vector_store, model_tables
+from pipelines.vector_store import activate_if_complete, model_tables
 
 # progress(stage, total) -> advance(n); total is None when unknown up front.
 ProgressFactory = Callable[[str, int | None], Callable[[int], None]]
@@ -66,7 +66,6 @@ def embed_all_models(conn: psycopg.Connection, embedder: Embedder, settings: Set
                      source_ids: list[str] | None = None, progress=None) -> StageReport:
     """Embed with the configured model, and, while a model switch is under way, with the serving one too, so that
     new documents are searchable before and after the switch. Counters are the configured model's."""
-    ensure_vector_store(conn, embedder.model_key, embedder.dimensions)
     batch = settings.embed_batch_size
     report = embed_pending(conn, embedder, source_ids, batch_size=batch, progress=progress)
     for model_key in model_tables(conn):

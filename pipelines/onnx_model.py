@@ -19,6 +19,7 @@ import logging
 import os
 import re
 import tempfile
+from functools import lru_cache
 from pathlib import Path
 
 from pipelines.hashing import hash_file, hash_text
@@ -31,6 +32,7 @@ FP32_NODES = re.compile(r"/encoder/layer\.[0-2]/output/dense/MatMul$")
 INPUTS = ("input_ids", "attention_mask", "token_type_ids")
 
 
+@lru_cache(maxsize=1)
 def _cache_name() -> str:
     """Weights, recipe and the exporting libraries' versions (read without importing torch: queries load this)."""
     from importlib.metadata import version

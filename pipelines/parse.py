@@ -158,11 +158,12 @@ def parse_pending(conn: psycopg.Connection, source_ids: list[str] | None = None,
     with parse_workers(workers, len(pending)) as run:
         for start in range(0, len(pending), batch_size):
             batch = pending[start:start + batch_size]
-            results = run(_parse_task, [(str(Path(row[4]) / row[1]), row[2]) for row in batch])
+            paths = [str(Path(location) / locator) for _, locator, _, _, location, _ in batch]
+            results = run(_parse_task, [(path, row[2]) for path, row in zip(paths, batch)])
             parsed, ok_by_source = [], {}
-            for (doc_id, locator, doc_format, content_hash, location, source_id), result in zip(batch, results):
+            for (doc_id, locator, _, content_hash, _, source_id), path, result in zip(batch, paths, results):
                 if isinstance(result, str):
-                    failure = Failure(source_id, locator, STAGE, f"{Path(location) / locator}: {result}")
+                    failure = Failure(source_id, locator, STAGE, f"{path}: {result}")
                     report.fail(failure)
                     with conn.transaction():
                         record_failure(conn, failure, content_hash)

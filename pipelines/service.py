@@ -14,6 +14,13 @@ class EmptyKnowledgeBase(LookupError):
     pass
 
 
+def _serving_model(conn: psycopg.Connection) -> str:
+    model = active_model(conn)
+    if model is None:
+        raise EmptyKnowledgeBase("the knowledge base is empty: run `kb ingest` first")
+    return model
+
+
 _embedders: dict[str, Embedder] = {}
 
 
@@ -42,9 +49,7 @@ def run_search(conn: psycopg.Connection, settings: Settings, query: str, k: int 
                freshness: float = 0.0) -> dict:
     """Search with the active model (queries must be embedded in the vector space being served). The optional
     stages (reranker when configured, MMR diversity, freshness boost) work on the over-fetched candidates."""
-    model = active_model(conn)
-    if model is None:
-        raise EmptyKnowledgeBase("the knowledge base is empty: run `kb ingest` first")
+    model = _serving_model(conn)
     filters = filters or Filters()
     embedder = _query_embedder(model, settings)
     reranker = _reranker(settings) if rerank else None
@@ -71,9 +76,7 @@ def run_search(conn: psycopg.Connection, settings: Settings, query: str, k: int 
 def run_citation_check(conn: psycopg.Connection, settings: Settings, claims: list[dict], retrieved: list[int]) -> dict:
     from pipelines.citations import validate_citations
 
-    model = active_model(conn)
-    if model is None:
-        raise EmptyKnowledgeBase("the knowledge base is empty: run `kb ingest` first")
+    model = _serving_model(conn)
     results = validate_citations(conn, _query_embedder(model, settings), claims, retrieved)
     counts = {status: sum(r.status == status for r in results) for status in ("VALID", "WEAK", "INVALID")}
     return {"citations": [r.as_dict() for r in results], "summary": counts}

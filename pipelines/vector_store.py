@@ -86,11 +86,6 @@ def active_model(conn: psycopg.Connection) -> str | None:
 MISSING_LIVE = "SELECT count(*) FROM chunks c WHERE c.valid_to IS NULL AND NOT EXISTS (SELECT 1 FROM {} v WHERE v.text_hash = c.text_hash)"
 
 
-def model_state(conn: psycopg.Connection, model_key: str) -> str | None:
-    row = conn.execute("SELECT state FROM embedding_models WHERE model_key = %s", (model_key,)).fetchone()
-    return row[0] if row else None
-
-
 def _switch_readiness(conn: psycopg.Connection, model_key: str, lock: bool = False) -> tuple[str, str]:
     """("active" | "incomplete" | "ready", vector table) for a model; `lock` holds its row until commit."""
     state, table = conn.execute("SELECT state, vector_table FROM embedding_models WHERE model_key = %s"
