@@ -22,6 +22,7 @@ $(VENV)/.installed: requirements/lock.txt pyproject.toml
 	touch $@
 
 demo: install $(DAGSTER_HOME)/dagster.yaml
+	$(BIN)/kb source apply samples/kb.toml
 	for source in samples faq; do \
 	  $(BIN)/dagster asset materialize -m assets.definitions --select '*published_chunks' --partition $$source || exit 1; \
 	done

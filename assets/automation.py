@@ -1,14 +1,20 @@
-"""Schedules (a refresh per source, a daily staleness sweep) and a sensor that starts a refresh on file changes."""
+"""Jobs, and the automation that keeps each declared source fresh: its partition kept in step with the
+declarations, a refresh when its cron says so, a refresh when its files change, and a daily staleness sweep.
+
+The per-source pieces are sensors rather than schedules because sources are declared at run time (kb.toml or
+`kb source add`), each with its own cron, and a new source must not need a code reload.
+"""
 
 import json
 import os
+from datetime import datetime, timezone
 
 import dagster as dg
 
 from assets.ingestion import ASSETS
 from assets.maintenance import stale_documents
-from assets.partitions import sources
-from pipelines.settings import load_settings
+from assets.partitions import SOURCES, partition_changes, sources
+from assets.resources import KnowledgeBase
 
 ingest_job = dg.define_asset_job("ingest", selection=dg.AssetSelection.assets(*ASSETS), partitions_def=sources,
                                  description="Crawl one source and bring its part of the knowledge base up to date.")
@@ -17,22 +23,51 @@ reembed_job = dg.define_asset_job("reembed", selection=dg.AssetSelection.groups(
                                   description="Backfill the configured model's vectors over hash shards, then switch.")
 
 
-def _refresh_schedule(source_id: str, cron: str) -> dg.ScheduleDefinition:
-    @dg.schedule(name=f"refresh_{source_id}", cron_schedule=cron, job=ingest_job,
-                 default_status=dg.DefaultScheduleStatus.STOPPED)
-    def refresh(context: dg.ScheduleEvaluationContext):
-        return dg.RunRequest(partition_key=source_id, tags={"kb/source": source_id})
+def _declared(kb: KnowledgeBase) -> list:
+    from pipelines.sources import load_sources
 
-    return refresh
+    with kb.connect() as conn:
+        return load_sources(conn)
 
 
-def refresh_schedules() -> list[dg.ScheduleDefinition]:
-    settings = load_settings()
-    return [_refresh_schedule(source_id, settings.refresh_cron) for source_id in sorted(settings.sources)]
+@dg.sensor(minimum_interval_seconds=30, default_status=dg.DefaultSensorStatus.RUNNING)
+def source_partitions(context: dg.SensorEvaluationContext, kb: KnowledgeBase):
+    """Adds a partition for each newly declared source and deletes those of removed sources."""
+    added, deleted = partition_changes(context.instance.get_dynamic_partitions(SOURCES),
+                                       [s.source_id for s in _declared(kb)])
+    if not added and not deleted:
+        return dg.SkipReason("source partitions match the declared sources")
+    requests = ([sources.build_add_request(added)] if added else []) + (
+        [sources.build_delete_request(deleted)] if deleted else [])
+    return dg.SensorResult(dynamic_partitions_requests=requests)
 
 
-sweep_schedule = dg.ScheduleDefinition(name="daily_staleness_sweep", cron_schedule="30 5 * * *", job=sweep_job,
-                                       default_status=dg.DefaultScheduleStatus.STOPPED)
+def _partitioned(context: dg.SensorEvaluationContext, kb: KnowledgeBase) -> list:
+    """Declared sources whose partition exists (a brand-new one waits for `source_partitions`)."""
+    existing = set(context.instance.get_dynamic_partitions(SOURCES))
+    return [s for s in _declared(kb) if s.source_id in existing]
+
+
+def _refresh(source_id: str, run_key: str, reason: str) -> dg.RunRequest:
+    return dg.RunRequest(partition_key=source_id, run_key=run_key, tags={"kb/source": source_id, "kb/reason": reason})
+
+
+@dg.sensor(job=ingest_job, minimum_interval_seconds=60, default_status=dg.DefaultSensorStatus.STOPPED)
+def scheduled_refresh(context: dg.SensorEvaluationContext, kb: KnowledgeBase):
+    """Requests a refresh of each source whose cron (its declared refresh_cron, else KB_REFRESH_CRON) fired since
+    the last tick. The first tick only notes the time, so turning the sensor on does not refresh everything."""
+    from croniter import croniter
+
+    now = datetime.now(timezone.utc)
+    last = datetime.fromisoformat(context.cursor) if context.cursor else now
+    requests = []
+    for source in _partitioned(context, kb):
+        cron = source.refresh_cron or kb.settings.refresh_cron
+        due = croniter(cron, last).get_next(datetime)
+        if due <= now:
+            requests.append(_refresh(source.source_id, f"{source.source_id}:cron:{due.isoformat()}", f"cron {cron}"))
+    context.update_cursor(now.isoformat())
+    return requests
 
 
 def source_fingerprint(path: str, max_entries: int = 200_000) -> str:
@@ -55,15 +90,20 @@ def source_fingerprint(path: str, max_entries: int = 200_000) -> str:
 
 
 @dg.sensor(job=ingest_job, minimum_interval_seconds=60, default_status=dg.DefaultSensorStatus.STOPPED)
-def source_change_sensor(context: dg.SensorEvaluationContext):
+def source_change_sensor(context: dg.SensorEvaluationContext, kb: KnowledgeBase):
     """Requests a refresh of each source whose files were added, removed or modified since the last tick."""
     seen = json.loads(context.cursor) if context.cursor else {}
     requests = []
-    for source_id, path in sorted(load_settings().sources.items()):
-        fingerprint = source_fingerprint(path)
-        if seen.get(source_id) != fingerprint:
-            requests.append(dg.RunRequest(partition_key=source_id, run_key=f"{source_id}:{fingerprint}",
-                                          tags={"kb/source": source_id}))
-            seen[source_id] = fingerprint
+    for source in _partitioned(context, kb):
+        fingerprint = source_fingerprint(source.location)
+        if seen.get(source.source_id) != fingerprint:
+            requests.append(_refresh(source.source_id, f"{source.source_id}:{fingerprint}", "files changed"))
+            seen[source.source_id] = fingerprint
     context.update_cursor(json.dumps(seen, sort_keys=True))
     return requests
+
+
+sweep_schedule = dg.ScheduleDefinition(name="daily_staleness_sweep", cron_schedule="30 5 * * *", job=sweep_job,
+                                       default_status=dg.DefaultScheduleStatus.STOPPED)
+
+SENSORS = [source_partitions, scheduled_refresh, source_change_sensor]

@@ -1,4 +1,5 @@
-"""One asset per ingestion stage, partitioned by source. Each reads the previous stage's table and writes its own.
+"""One asset per ingestion stage, partitioned by declared source. Each reads the previous stage's table and writes
+its own, through the same stage runner as `kb ingest` (pipelines/ingest.py).
 
 Every stage of a source runs under that source's advisory lock, so two runs of one source never interleave,
 while different sources proceed in parallel.
@@ -19,85 +20,70 @@ EMBEDDINGS = "embeddings"
 
 
 @contextmanager
-def locked_source(kb: KnowledgeBase, context: dg.AssetExecutionContext):
+def ingest_run(kb: KnowledgeBase, context: dg.AssetExecutionContext):
+    """The partition's source under its advisory lock, as one `ingest_runs` row per Dagster run: the same runner,
+    records and side effects as `kb ingest`."""
+    from pipelines.ingest import IngestRun
     from pipelines.locks import source_locks
+    from pipelines.sources import get_source
 
-    with kb.connect() as conn, source_locks(conn, [context.partition_key]):
-        yield conn, [context.partition_key]
+    source_id = context.partition_key
+    with kb.connect() as conn, source_locks(conn, [source_id]):
+        if get_source(conn, source_id) is None:
+            raise dg.Failure(f"source {source_id!r} is not declared (see `kb source list`); its partition is left"
+                             " over and the source_partitions sensor will remove it")
+        yield IngestRun.start(conn, kb.settings, kb.embedder, [source_id], started_by="dagster",
+                              external_run_id=context.run_id)
 
 
-def _log_failures(context: dg.AssetExecutionContext, report) -> None:
+def run_stage(context: dg.AssetExecutionContext, kb: KnowledgeBase, stage: str, row_count_key: str) -> dg.MaterializeResult:
+    with ingest_run(kb, context) as run:
+        report = run.run_stage(stage)
     for failure in report.failures:
         context.log.warning(str(failure))
+    return dg.MaterializeResult(metadata=report_metadata(report, row_count_key))
 
 
 @dg.asset(partitions_def=sources, group_name=INGESTION, kinds={"python", "postgres"})
 def source_documents(context: dg.AssetExecutionContext, kb: KnowledgeBase) -> dg.MaterializeResult:
     """Documents found in the source, with size, mtime and content hash; vanished ones soft-deleted."""
-    from pipelines.extract import extract, load_sources, register_source, source_for_path
-
-    with locked_source(kb, context) as (conn, source_ids):
-        register_source(conn, source_for_path(kb.settings.sources[source_ids[0]], source_ids[0]))
-        report = extract(conn, load_sources(conn, source_ids))
-    _log_failures(context, report)
-    return dg.MaterializeResult(metadata=report_metadata(report, "seen"))
+    return run_stage(context, kb, "extract", "seen")
 
 
 @dg.asset(deps=[source_documents], partitions_def=sources, group_name=INGESTION, kinds={"unstructured", "postgres"},
           retry_policy=dg.RetryPolicy(max_retries=1))
 def parsed_elements(context: dg.AssetExecutionContext, kb: KnowledgeBase) -> dg.MaterializeResult:
     """Elements (category, page, section path) of every document whose bytes changed, parsed by unstructured."""
-    from pipelines.parse import parse_pending
-
-    with locked_source(kb, context) as (conn, source_ids):
-        report = parse_pending(conn, source_ids, workers=kb.settings.parse_workers)
-    _log_failures(context, report)
-    return dg.MaterializeResult(metadata=report_metadata(report, "elements"))
+    return run_stage(context, kb, "parse", "elements")
 
 
 @dg.asset(deps=[parsed_elements], partitions_def=sources, group_name=INGESTION, kinds={"python", "postgres"},
           code_version=CHUNKER_VERSION)
 def chunk_drafts(context: dg.AssetExecutionContext, kb: KnowledgeBase) -> dg.MaterializeResult:
     """Heading-, sentence- and table-aware chunks of changed documents, sized to the embedding model's limit."""
-    from pipelines.drafts import chunk_pending
-
-    with locked_source(kb, context) as (conn, source_ids):
-        report = chunk_pending(conn, kb.embedder.counter, source_ids)
-    return dg.MaterializeResult(metadata=report_metadata(report, "chunks"))
+    return run_stage(context, kb, "chunk", "chunks")
 
 
 @dg.asset(deps=[chunk_drafts], partitions_def=sources, group_name=INGESTION, kinds={"python", "postgres"},
           code_version=ENRICH_VERSION)
 def enriched_chunks(context: dg.AssetExecutionContext, kb: KnowledgeBase) -> dg.MaterializeResult:
     """Drafts with their embedded text (title + section path + text), text hash and extracted entities."""
-    from pipelines.drafts import enrich_pending
-
-    with locked_source(kb, context) as (conn, source_ids):
-        report = enrich_pending(conn, kb.embedder.counter, source_ids)
-    return dg.MaterializeResult(metadata=report_metadata(report, "chunks"))
+    return run_stage(context, kb, "enrich", "chunks")
 
 
 @dg.asset(deps=[enriched_chunks], partitions_def=sources, group_name=EMBEDDINGS, kinds={"pytorch", "pgvector"},
           pool="embedding_model", retry_policy=dg.RetryPolicy(max_retries=2, delay=10))
 def chunk_embeddings(context: dg.AssetExecutionContext, kb: KnowledgeBase) -> dg.MaterializeResult:
     """Vectors for embedded texts the model has not seen; identical text is never embedded twice."""
-    from pipelines.ingest import embed_all_models
-
-    with locked_source(kb, context) as (conn, source_ids):
-        report = embed_all_models(conn, kb.embedder, kb.settings, source_ids)
-    metadata = report_metadata(report, "computed")
-    metadata["model"] = dg.MetadataValue.text(kb.embedder.model_key)
-    return dg.MaterializeResult(metadata=metadata)
+    result = run_stage(context, kb, "embed", "computed")
+    result.metadata["model"] = dg.MetadataValue.text(kb.embedder.model_key)
+    return result
 
 
 @dg.asset(deps=[chunk_embeddings], partitions_def=sources, group_name=EMBEDDINGS, kinds={"postgres", "pgvector"})
 def published_chunks(context: dg.AssetExecutionContext, kb: KnowledgeBase) -> dg.MaterializeResult:
     """The searchable chunks: each document's new version swapped in atomically, replaced chunks kept as history."""
-    from pipelines.publish import publish_ready
-
-    with locked_source(kb, context) as (conn, source_ids):
-        report = publish_ready(conn, source_ids)
-    return dg.MaterializeResult(metadata=report_metadata(report, "chunks_written"))
+    return run_stage(context, kb, "publish", "chunks_written")
 
 
 @dg.asset_check(asset=published_chunks, blocking=True)

@@ -1,12 +1,28 @@
-"""Partitions: one per configured source for ingestion, 16 hash shards for embedding backfills.
+"""Partitions: one per declared source for ingestion, 16 hash shards for embedding backfills.
 
+Source partitions are dynamic: the `sources` table is the truth (kb.toml or `kb source ...`), and
+`sync_source_partitions` (run by the `source_partitions` sensor and by the CLI when it changes a declaration)
+keeps the instance in step, so a source declared from the CLI appears in the UI without a restart.
 Per-document state lives in PostgreSQL, never in partitions: a million documents are still 16 shards, which keeps
 Dagster's UI fast and lets a backfill fan out over any executor or run launcher.
 """
 
 import dagster as dg
 
-from pipelines.settings import load_settings
-
-sources = dg.StaticPartitionsDefinition(sorted(load_settings().sources))
+SOURCES = "sources"
+sources = dg.DynamicPartitionsDefinition(name=SOURCES)
 hash_shards = dg.StaticPartitionsDefinition(list("0123456789abcdef"))
+
+
+def partition_changes(existing: list[str], declared: list[str]) -> tuple[list[str], list[str]]:
+    """(partitions to add, partitions to delete) so that the instance holds exactly the declared sources."""
+    return sorted(set(declared) - set(existing)), sorted(set(existing) - set(declared))
+
+
+def sync_source_partitions(instance: dg.DagsterInstance, declared: list[str]) -> tuple[list[str], list[str]]:
+    added, deleted = partition_changes(instance.get_dynamic_partitions(SOURCES), declared)
+    if added:
+        instance.add_dynamic_partitions(SOURCES, added)
+    for key in deleted:
+        instance.delete_dynamic_partition(SOURCES, key)
+    return added, deleted

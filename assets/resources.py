@@ -13,7 +13,8 @@ from pipelines.settings import Settings, load_settings
 
 
 class KnowledgeBase(dg.ConfigurableResource):
-    """Reads KB_HOME, DATABASE_URL, KB_EMBEDDER, KB_SOURCES... like the CLI; clients are built on first use."""
+    """Reads KB_HOME, DATABASE_URL, KB_EMBEDDER... like the CLI (sources are declared in the database); clients
+    are built on first use."""
 
     @cached_property
     def settings(self) -> Settings:

@@ -37,7 +37,7 @@ def main() -> None:
 
     from pipelines.database import connect
     from pipelines.embedders import make_embedder
-    from pipelines.extract import register_source, source_for_path
+    from pipelines.sources import add_source, declare
     from pipelines.ingest import ingest
     from pipelines.settings import load_settings
 
@@ -54,7 +54,7 @@ def main() -> None:
         counting = CountingEmbedder(embedder)
         started = time.perf_counter()
         with connect(settings) as conn:
-            register_source(conn, source_for_path(work, "bench"))
+            add_source(conn, declare("bench", work), "bench/refresh.py")
             counters = ingest(conn, counting, settings, ["bench"]).counters()
         results.append({"step": name, "seconds": round(time.perf_counter() - started, 2),
                         "texts_embedded": counting.texts, "model_calls": counting.calls,

@@ -2,12 +2,15 @@
 
 GET /v1/knowledge/search?q=&k=&source_id=&mode=&debug=   (OpenAPI docs at /docs)
 GET /                                                      a search console for people
-Auth is optional: with KB_API_KEY set, requests need `Authorization: Bearer <key>` or `X-API-Key: <key>`.
+
+Access is decided here, not by the caller: a request's key (`Authorization: Bearer <key>` or `X-API-Key: <key>`,
+created with `kb keys create`) carries the groups it may read; `groups=` can only narrow them. A request without a
+key reads public sources only (or is refused when the server runs with require_key). A wrong or revoked key is a
+401, never a fall-back to public.
 """
 
 from __future__ import annotations
 
-import hmac
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Literal
@@ -17,6 +20,7 @@ from fastapi.responses import HTMLResponse
 from fastapi.security import APIKeyHeader, HTTPAuthorizationCredentials, HTTPBearer
 from pydantic import BaseModel, Field
 
+from pipelines.access import AccessDenied, ApiKey, authenticate, caller_groups
 from pipelines.search import Filters
 from pipelines.service import EmptyKnowledgeBase, run_citation_check, run_search
 from pipelines.settings import Settings, load_settings
@@ -55,9 +59,10 @@ class Claim(BaseModel):
 class CitationRequest(BaseModel):
     claims: list[Claim]
     retrieved: list[int] = Field(description="Chunk ids of the retrieval set the answer was written from.")
+    groups: list[str] | None = Field(None, description="Read as only these of the key's groups.")
 
 
-def create_app(settings: Settings | None = None, api_key: str | None = None) -> FastAPI:
+def create_app(settings: Settings | None = None, require_key: bool = False) -> FastAPI:
     settings = settings or load_settings()
 
     @asynccontextmanager
@@ -77,30 +82,44 @@ def create_app(settings: Settings | None = None, api_key: str | None = None) -> 
                   description="Hybrid retrieval (pgvector + BM25, weighted RRF) over the kb knowledge base.")
     bearer, header = HTTPBearer(auto_error=False), APIKeyHeader(name="X-API-Key", auto_error=False)
 
-    def authorised(credentials: HTTPAuthorizationCredentials | None = Depends(bearer), key: str | None = Depends(header)):
-        if api_key is None:
-            return
-        given = key or (credentials.credentials if credentials else "")
-        if not hmac.compare_digest(given.encode(), api_key.encode()):
-            raise HTTPException(status_code=401, detail="missing or invalid API key")
+    def caller(request: Request, credentials: HTTPAuthorizationCredentials | None = Depends(bearer),
+               header_key: str | None = Depends(header)) -> ApiKey | None:
+        token = header_key or (credentials.credentials if credentials else None)
+        if token is None:
+            if require_key:
+                raise HTTPException(status_code=401, detail="this server requires an API key",
+                                    headers={"WWW-Authenticate": "Bearer"})
+            return None
+        with request.app.state.pool.connection() as conn:
+            key = authenticate(conn, token)
+        if key is None:
+            raise HTTPException(status_code=401, detail="invalid or revoked API key", headers={"WWW-Authenticate": "Bearer"})
+        return key
 
-    @app.get("/v1/knowledge/search", response_model=SearchResponse, response_model_exclude_unset=True,
-             dependencies=[Depends(authorised)])
+    def groups_for(key: ApiKey | None, requested: list[str] | None) -> list[str]:
+        try:
+            return caller_groups(key, requested)
+        except AccessDenied as exc:
+            raise HTTPException(status_code=403, detail=str(exc)) from exc
+
+    @app.get("/v1/knowledge/search", response_model=SearchResponse, response_model_exclude_unset=True)
     def knowledge_search(
         request: Request,
+        key: ApiKey | None = Depends(caller),
         q: str = Query(..., min_length=1, max_length=2000, description="The query text."),
         k: int = Query(5, ge=1, le=20, description="How many chunks to return."),
         source_id: str | None = Query(None, description="Only chunks from this source."),
         mode: Literal["chunks", "qa_first", "qa_only"] = Query("chunks"),
         debug: bool = Query(False, description="Add each chunk's rank and score in each arm."),
         lexical_weight: float | None = Query(None, ge=0, le=1, description="RRF weight of the lexical arm."),
-        groups: str | None = Query(None, description="Comma-separated groups of the caller (access lists)."),
+        groups: str | None = Query(None, description="Comma-separated: read as only these of the key's groups."),
         diversity: float = Query(0.0, ge=0, le=1, description="MMR diversity over the candidates (0: off)."),
         freshness: float = Query(0.0, ge=0, le=10, description="Boost for recent documents (0: off)."),
     ) -> dict:
         if mode != "chunks":
             raise HTTPException(status_code=501, detail=f"mode {mode!r} is reserved and not implemented yet")
-        filters = Filters(source_id=source_id, groups=[g for g in (groups or "").split(",") if g])
+        requested = None if groups is None else [g.strip() for g in groups.split(",") if g.strip()]
+        filters = Filters(source_id=source_id, groups=groups_for(key, requested))
         with request.app.state.pool.connection() as conn:
             try:
                 return run_search(conn, settings, q, k, lexical_weight=lexical_weight, filters=filters, debug=debug,
@@ -108,12 +127,14 @@ def create_app(settings: Settings | None = None, api_key: str | None = None) -> 
             except EmptyKnowledgeBase as exc:
                 raise HTTPException(status_code=409, detail=str(exc)) from exc
 
-    @app.post("/v1/citations/validate", dependencies=[Depends(authorised)])
-    def validate(request: Request, body: CitationRequest) -> dict:
-        """Each cited chunk: VALID (supports the claim), WEAK (retrieved, weak support) or INVALID (not retrieved)."""
+    @app.post("/v1/citations/validate")
+    def validate(request: Request, body: CitationRequest, key: ApiKey | None = Depends(caller)) -> dict:
+        """Each cited chunk: VALID (supports the claim), WEAK (retrieved, weak support) or INVALID (not retrieved,
+        or not a live chunk the caller may read)."""
+        groups = groups_for(key, body.groups)
         with request.app.state.pool.connection() as conn:
             try:
-                return run_citation_check(conn, settings, [c.model_dump() for c in body.claims], body.retrieved)
+                return run_citation_check(conn, settings, [c.model_dump() for c in body.claims], body.retrieved, groups)
             except EmptyKnowledgeBase as exc:
                 raise HTTPException(status_code=409, detail=str(exc)) from exc
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import sys
+from contextlib import contextmanager
 from datetime import timedelta, timezone
 from pathlib import Path
 
@@ -44,31 +45,60 @@ def main() -> None:
     """kb: documents in, a retrieval-ready knowledge base out (PostgreSQL + pgvector)."""
 
 
+@contextmanager
+def _usage_errors():
+    """Declarations that cannot be made as asked are usage errors: exit 2 with the reason and what to do."""
+    from pipelines.sources import DeclarationError
+
+    try:
+        yield
+    except DeclarationError as exc:
+        raise click.UsageError(str(exc)) from None
+
+
 @main.command()
-@click.argument("paths", nargs=-1, required=True, type=click.Path(exists=True))
-@click.option("--source", "source_name", help="Source name (default: the folder or file name). One path only.")
-@click.option("--include", multiple=True, help="Glob of files to take from a folder (repeatable).")
-@click.option("--exclude", multiple=True, help="Glob of files to skip (repeatable).")
+@click.argument("paths", nargs=-1, type=click.Path(exists=True))
+@click.option("--source", "source_name",
+              help="Source name: with a PATH, the name to declare it under (default: the folder or file name);"
+                   " alone, the declared source to ingest.")
+@click.option("--include", multiple=True, help="Glob of files to take from a new folder source (repeatable).")
+@click.option("--exclude", multiple=True, help="Glob of files to skip in a new folder source (repeatable).")
 @click.option("--group", "groups", multiple=True,
-              help="Only callers in this group may see the source's documents (repeatable; default: everyone).")
+              help="Only callers in this group may read a new source's documents (repeatable; default: everyone).")
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable summary.")
 def ingest(paths, source_name, include, exclude, groups, as_json) -> None:
-    """Ingest folders of documents and/or JSONL files of records."""
+    """Ingest declared sources: all of them, the one named by --source, or the folders and JSONL files given.
+
+    A PATH that is not a declared source yet is declared from this command (with its --include, --exclude and
+    --group). A declared source is ingested exactly as declared: giving it another location, globs or groups
+    here is refused; change a declaration with `kb source update` or in its config file."""
     from pipelines.database import connect
     from pipelines.embedders import make_embedder
-    from pipelines.extract import register_source, source_for_path
     from pipelines.ingest import EXIT_FILE_FAILURES, ingest as run_ingest
     from pipelines.locks import source_locks
+    from pipelines.sources import actor, get_source, load_sources, source_for_ingest
 
     if source_name and len(paths) > 1:
         raise click.UsageError("--source names one source: give one path with it")
+    if not paths and (include or exclude or groups):
+        raise click.UsageError("--include, --exclude and --group declare a new source: give its PATH, or change a"
+                               " declared source with `kb source update`")
     settings = load_settings()
-    sources = [source_for_path(p, source_name, include, exclude, tuple(groups) or None) for p in paths]
-    source_ids = [s.source_id for s in sources]
-    with connect(settings) as conn, source_locks(conn, source_ids):
-        for source in sources:
-            register_source(conn, source)
-        summary = run_ingest(conn, make_embedder(settings), settings, source_ids, progress=_progress_factory(not as_json))
+    with connect(settings) as conn, _usage_errors():
+        if paths:
+            who = actor("kb ingest")
+            source_ids = [source_for_ingest(conn, p, source_name, include, exclude, groups or None, who) for p in paths]
+        elif source_name:
+            if get_source(conn, source_name) is None:
+                raise click.UsageError(f"no source {source_name!r} is declared; see `kb source list`")
+            source_ids = [source_name]
+        else:
+            source_ids = [s.source_id for s in load_sources(conn)]
+            if not source_ids:
+                raise click.UsageError("no source is declared: `kb ingest PATH`, `kb source add` or `kb source apply`")
+        with source_locks(conn, source_ids):
+            summary = run_ingest(conn, make_embedder(settings), settings, source_ids,
+                                 progress=_progress_factory(not as_json))
     data = summary.as_dict()
     lines = [f"{k.replace('_', ' ')}: {v}" for k, v in data.items() if k not in ("errors", "elapsed_s")]
     lines.append("elapsed: " + ", ".join(f"{k} {v:.2f}s" for k, v in data["elapsed_s"].items()))
@@ -87,12 +117,19 @@ def status(as_json) -> None:
 
     with connect(load_settings()) as conn:
         data = knowledge_base_status(conn)
-    text = [f"{s['source_id']} ({s['kind']} {s['location']}): {s['documents']} documents, {s['chunks']} chunks,"
-            f" {s['deleted']} deleted, {s['failed']} failing, {s['stale']} stale, last crawled {s['last_crawled_at']}"
-            for s in data["sources"]]
+    text = [f"{s['source_id']} ({s['kind']} {s['location']}; readable by {_readers(s['allowed_groups'])}):"
+            f" {s['documents']} documents, {s['chunks']} chunks, {s['deleted']} deleted, {s['failed']} failing,"
+            f" {s['stale']} stale, last crawled {s['last_crawled_at']}" for s in data["sources"]]
     text += [f"failing: {f['source_id']}:{f['locator']}: {f['reason']}" for f in data["failures"]]
     text.append(f"models: {', '.join(m['model_key'] + ' (' + m['state'] + ')' for m in data['models']) or 'none'}")
+    if run := data["last_run"]:
+        text.append(f"last run: #{run['run_id']} started by {run['started_by']} at {run['started_at']},"
+                    f" {'finished ' + str(run['finished_at']) if run['finished_at'] else 'not finished'}")
     _emit(data, as_json, "\n".join(text))
+
+
+def _readers(groups) -> str:
+    return "groups " + ", ".join(groups) if groups else "everyone"
 
 
 @main.command()
@@ -190,8 +227,8 @@ def evaluate(dataset, split, database_url, weights, misses, as_json) -> None:
     from pipelines.database import connect, database_url as server_url, ensure_database
     from pipelines.embedders import make_embedder
     from pipelines.evaluation import CONFIGURATIONS, METRICS, Configuration, classifier_weights, evaluate as run_eval, load_queries
-    from pipelines.extract import register_source, source_for_path
     from pipelines.ingest import ingest as run_ingest
+    from pipelines.sources import actor, add_source, declare, get_source, update_source
 
     settings = load_settings()
     name = re.sub(r"[^a-z0-9]+", "_", dataset.resolve().name.lower())
@@ -208,7 +245,11 @@ def evaluate(dataset, split, database_url, weights, misses, as_json) -> None:
     if reranker is not None:
         configs.append(Configuration("hybrid+rerank", "hybrid", rerank=True))
     with connect(settings) as conn:
-        register_source(conn, source_for_path(dataset / "corpus.jsonl", source_id))
+        corpus = declare(source_id, dataset / "corpus.jsonl")
+        if get_source(conn, source_id) is None:  # the evaluation database is kb's own: it follows the dataset
+            add_source(conn, corpus, actor("kb eval"))
+        else:
+            update_source(conn, source_id, actor("kb eval"), location=corpus.location)
         summary = run_ingest(conn, embedder, settings, [source_id], progress=_progress_factory(not as_json))
         report = run_eval(conn, embedder, queries, qrels, source_id, configs, misses, reranker)
     data = {"dataset": str(dataset), "split": split, "queries": len(queries), "ingest": summary.counters(),
@@ -223,21 +264,29 @@ def evaluate(dataset, split, database_url, weights, misses, as_json) -> None:
 @main.command()
 @click.option("--host", default="127.0.0.1", show_default=True)
 @click.option("--port", default=8000, show_default=True, type=int)
-def serve(host, port) -> None:
-    """Serve the search API (/v1/knowledge/search, OpenAPI docs at /docs) and the search console (/)."""
+@click.option("--require-key", is_flag=True, help="Refuse requests without an API key (default: they read public"
+                                                  " sources only).")
+def serve(host, port, require_key) -> None:
+    """Serve the search API (/v1/knowledge/search, OpenAPI docs at /docs) and the search console (/).
+
+    Callers authenticate with keys from `kb keys create`; each key reads the groups it was created with."""
     import os
 
     import uvicorn
 
     from pipelines.api import create_app
 
-    uvicorn.run(create_app(api_key=os.environ.get("KB_API_KEY") or None), host=host, port=port)
+    if os.environ.get("KB_API_KEY"):
+        raise click.UsageError("KB_API_KEY is no longer read: create per-caller keys bound to groups with"
+                               " `kb keys create NAME --group G`, then unset KB_API_KEY")
+    uvicorn.run(create_app(require_key=require_key), host=host, port=port)
 
 
 @main.command()
 @click.argument("answer", type=click.File("r"))
+@click.option("--group", "groups", multiple=True, help="Read as a caller in this group (repeatable).")
 @click.option("--json", "as_json", is_flag=True)
-def cite(answer, as_json) -> None:
+def cite(answer, groups, as_json) -> None:
     """Validate an answer's citations. ANSWER is a JSON file (or - for stdin):
     {"claims": [{"text": ..., "citations": [chunk_id, ...]}], "retrieved": [chunk_id, ...]}."""
     from pipelines.database import connect
@@ -247,8 +296,240 @@ def cite(answer, as_json) -> None:
     settings = load_settings()
     with connect(settings) as conn:
         try:
-            data = run_citation_check(conn, settings, payload.get("claims", []), payload.get("retrieved", []))
+            data = run_citation_check(conn, settings, payload.get("claims", []), payload.get("retrieved", []),
+                                      list(groups))
         except EmptyKnowledgeBase as exc:
             raise click.ClickException(str(exc)) from exc
     text = "\n".join(f"{c['status']:<8} chunk {c['chunk_id']}: {c['reason']} | {c['claim'][:70]}" for c in data["citations"])
     _emit(data, as_json, text)
+
+
+@main.group()
+def source() -> None:
+    """Declare sources: where documents come from, which files to take, who may read them, how fresh to keep them.
+
+    Declarations live in PostgreSQL; every change is recorded with who made it. Keep them in git with a kb.toml
+    and `kb source apply`, or manage them here."""
+
+
+def _sync_dagster(conn) -> None:
+    """Keep the Dagster instance's source partitions in step at once (its sensor does the same every minute)."""
+    import os
+
+    if not os.environ.get("DAGSTER_HOME"):
+        return
+    from pipelines.sources import load_sources
+
+    try:
+        import dagster as dg
+
+        from assets.partitions import sync_source_partitions
+
+        with dg.DagsterInstance.get() as instance:
+            sync_source_partitions(instance, [s.source_id for s in load_sources(conn)])
+    except Exception as exc:  # the declaration is made; the sensor will catch up
+        click.echo(f"warning: could not update Dagster's source partitions now: {exc}", err=True)
+
+
+def _source_dict(s) -> dict:
+    return {"source_id": s.source_id, **s.declaration()}
+
+
+def _source_line(s) -> str:
+    extras = [f"include {list(s.include)}" if s.include else "", f"exclude {list(s.exclude)}" if s.exclude else "",
+              f"freshness {s.freshness_hours:g} h" if s.freshness_hours else "",
+              f"refresh '{s.refresh_cron}'" if s.refresh_cron else "",
+              "follows links outside" if s.allow_outside_links else "",
+              f"declared in {s.declared_in}" if s.declared_in else ""]
+    return (f"{s.source_id}: {s.kind} {s.location}; readable by {_readers(s.groups)}"
+            + "".join(f"; {e}" for e in extras if e))
+
+
+@source.command("add")
+@click.argument("name")
+@click.argument("path", type=click.Path(exists=True))
+@click.option("--include", multiple=True, help="Glob of files to take (repeatable; default: all).")
+@click.option("--exclude", multiple=True, help="Glob of files to skip (repeatable).")
+@click.option("--group", "groups", multiple=True,
+              help="Only callers in this group may read the documents (repeatable; default: everyone).")
+@click.option("--freshness-hours", type=float, help="Flag documents stale after this long without a crawl.")
+@click.option("--refresh-cron", help="When Dagster refreshes the source (cron; default KB_REFRESH_CRON).")
+@click.option("--allow-outside-links", is_flag=True, help="Follow symlinks that lead outside the folder.")
+@click.option("--json", "as_json", is_flag=True)
+def source_add(name, path, include, exclude, groups, freshness_hours, refresh_cron, allow_outside_links, as_json):
+    """Declare source NAME at PATH (a folder, or a .jsonl file of records)."""
+    from pipelines.database import connect
+    from pipelines.sources import actor, add_source, declare
+
+    with connect(load_settings()) as conn, _usage_errors():
+        declared = declare(name, path, include, exclude, groups or None, freshness_hours, refresh_cron,
+                           allow_outside_links)
+        written = add_source(conn, declared, actor("kb source add"))
+        _sync_dagster(conn)
+    _emit({**_source_dict(declared), "changed": written}, as_json,
+          ("declared " if written else "already declared: ") + _source_line(declared))
+
+
+@source.command("list")
+@click.option("--json", "as_json", is_flag=True)
+def source_list(as_json):
+    """Every declared source and who may read it."""
+    from pipelines.database import connect
+    from pipelines.sources import load_sources
+
+    with connect(load_settings()) as conn:
+        declared = load_sources(conn)
+    _emit([_source_dict(s) for s in declared], as_json, "\n".join(map(_source_line, declared)) or "no sources declared")
+
+
+@source.command("show")
+@click.argument("name")
+@click.option("--json", "as_json", is_flag=True)
+def source_show(name, as_json):
+    """A source's declaration and its recent changes (who, when, what)."""
+    from pipelines.database import connect
+    from pipelines.sources import get_source, source_changes
+
+    with connect(load_settings()) as conn:
+        declared = get_source(conn, name)
+        changes = source_changes(conn, name)
+    if declared is None and not changes:
+        raise click.UsageError(f"no source {name!r} is declared; see `kb source list`")
+    data = {"source": _source_dict(declared) if declared else None, "changes": changes}
+    lines = [_source_line(declared) if declared else f"{name}: removed"]
+    lines += [f"  {c['changed_at'].isoformat()} {c['action']} by {c['actor']} (database user {c['db_user']})"
+              + (f": {_changed_fields(c['before'], c['after'])}" if c["before"] and c["after"] else "")
+              for c in changes]
+    _emit(data, as_json, "\n".join(lines))
+
+
+def _changed_fields(before: dict, after: dict) -> str:
+    return ", ".join(f"{k} {before.get(k)!r} -> {after.get(k)!r}" for k in after if before.get(k) != after.get(k))
+
+
+@source.command("update")
+@click.argument("name")
+@click.option("--location", type=click.Path(exists=True), help="Move the source to this folder or .jsonl file.")
+@click.option("--include", multiple=True, help="Replace the include globs (repeatable).")
+@click.option("--exclude", multiple=True, help="Replace the exclude globs (repeatable).")
+@click.option("--clear-globs", is_flag=True, help="Take every file again (no include or exclude globs).")
+@click.option("--group", "groups", multiple=True, help="Replace the groups that may read the source (repeatable).")
+@click.option("--public", is_flag=True, help="Let every caller read the source (no groups).")
+@click.option("--freshness-hours", type=float)
+@click.option("--refresh-cron")
+@click.option("--allow-outside-links/--no-allow-outside-links", default=None)
+@click.option("--json", "as_json", is_flag=True)
+def source_update(name, location, include, exclude, clear_globs, groups, public, freshness_hours, refresh_cron,
+                  allow_outside_links, as_json):
+    """Change a declared source. Only the options given change; the change is recorded."""
+    from pipelines.database import connect
+    from pipelines.sources import actor, update_source
+
+    if public and groups:
+        raise click.UsageError("--public and --group contradict each other")
+    changes = {"location": location, "freshness_hours": freshness_hours, "refresh_cron": refresh_cron,
+               "allow_outside_links": allow_outside_links}
+    changes = {k: v for k, v in changes.items() if v is not None}
+    if clear_globs:
+        changes["include"], changes["exclude"] = (), ()
+    if include:
+        changes["include"] = include
+    if exclude:
+        changes["exclude"] = exclude
+    if groups or public:
+        changes["groups"] = groups or None
+    if not changes:
+        raise click.UsageError("nothing to change: give at least one option (see --help)")
+    with connect(load_settings()) as conn, _usage_errors():
+        updated = update_source(conn, name, actor("kb source update"), **changes)
+    _emit(_source_dict(updated), as_json, "updated " + _source_line(updated))
+
+
+@source.command("remove")
+@click.argument("name")
+@click.option("--json", "as_json", is_flag=True)
+def source_remove(name, as_json):
+    """Stop serving a source: its documents are soft-deleted (history kept; `kb source add` brings it back)."""
+    from pipelines.database import connect
+    from pipelines.sources import actor, remove_source
+
+    with connect(load_settings()) as conn, _usage_errors():
+        deleted = remove_source(conn, name, actor("kb source remove"))
+        _sync_dagster(conn)
+    _emit({"source_id": name, "documents_deleted": deleted}, as_json,
+          f"removed {name}: {deleted} documents soft-deleted")
+
+
+@source.command("apply")
+@click.argument("config", required=False, type=click.Path(dir_okay=False))
+@click.option("--prune", is_flag=True, help="Also remove sources this file declared before and no longer does.")
+@click.option("--json", "as_json", is_flag=True)
+def source_apply(config, prune, as_json):
+    """Make the declared sources match a config file (default: $KB_CONFIG, else ./kb.toml)."""
+    from pipelines.database import connect
+    from pipelines.sources import actor, apply_config
+
+    settings = load_settings()
+    config = config or settings.config_path
+    if config is None:
+        raise click.UsageError("no config file: give one, set KB_CONFIG, or create ./kb.toml")
+    with connect(settings) as conn, _usage_errors():
+        result = apply_config(conn, config, actor(f"kb source apply {config}"), prune)
+        _sync_dagster(conn)
+    lines = [f"{what}: {', '.join(names)}" for what, names in result.items() if names]
+    if result["not_in_file"]:
+        lines.append("(sources no longer in the file stay declared; --prune removes them)")
+    _emit(result, as_json, "\n".join(lines) or "nothing declared")
+
+
+@main.group()
+def keys() -> None:
+    """API keys: each is bound to the groups it may read. The server stores only a hash of each key."""
+
+
+@keys.command("create")
+@click.argument("name")
+@click.option("--group", "groups", multiple=True, help="A group the key may read (repeatable; none: public only).")
+@click.option("--json", "as_json", is_flag=True)
+def keys_create(name, groups, as_json):
+    """Create a key; it is printed once and cannot be shown again."""
+    from pipelines.access import create_key
+    from pipelines.database import connect
+    from pipelines.sources import actor
+
+    with connect(load_settings()) as conn, _usage_errors():
+        key, token = create_key(conn, name, groups, actor("kb keys create"))
+    _emit({"name": key.name, "key_id": key.key_id, "groups": list(key.groups), "key": token}, as_json,
+          f"{token}\nkey {key.name!r} ({key.key_id}) reads {_readers(key.groups)}; store it now, it is not shown again")
+
+
+@keys.command("list")
+@click.option("--all", "include_revoked", is_flag=True, help="Include revoked keys.")
+@click.option("--json", "as_json", is_flag=True)
+def keys_list(include_revoked, as_json):
+    """Keys (never their secrets), their groups and who created them."""
+    from pipelines.access import list_keys
+    from pipelines.database import connect
+
+    with connect(load_settings()) as conn:
+        found = list_keys(conn, include_revoked)
+    data = [{"name": k.name, "key_id": k.key_id, "groups": list(k.groups), "created_at": k.created_at,
+             "created_by": k.created_by, "revoked_at": k.revoked_at} for k in found]
+    _emit(data, as_json, "\n".join(
+        f"{k.name} ({k.key_id}): {_readers(k.groups)}; created {k.created_at.isoformat()} by {k.created_by}"
+        + (f"; revoked {k.revoked_at.isoformat()}" if k.revoked_at else "") for k in found) or "no keys")
+
+
+@keys.command("revoke")
+@click.argument("name_or_id")
+@click.option("--json", "as_json", is_flag=True)
+def keys_revoke(name_or_id, as_json):
+    """Revoke a key at once: requests with it get 401."""
+    from pipelines.access import revoke_key
+    from pipelines.database import connect
+
+    with connect(load_settings()) as conn:
+        revoked = revoke_key(conn, name_or_id)
+    if not revoked:
+        raise click.UsageError(f"no live key named {name_or_id!r}; see `kb keys list`")
+    _emit({"revoked": [k.key_id for k in revoked]}, as_json, "revoked " + ", ".join(f"{k.name} ({k.key_id})" for k in revoked))

@@ -22,18 +22,9 @@ from pipelines.formats import UnsupportedFormat, format_of
 from pipelines.hashing import hash_file, hash_text
 from pipelines.report import StageReport
 from pipelines.elements import Element, ParsedDocument, write_elements
+from pipelines.sources import Source, source_file
 
 STAGE = "extract"
-
-
-@dataclass(frozen=True)
-class Source:
-    source_id: str
-    kind: str  # "folder" | "jsonl"
-    location: str
-    include: tuple[str, ...] = ()
-    exclude: tuple[str, ...] = ()
-    allowed_groups: tuple[str, ...] | None = None  # None: every caller may see the source's documents
 
 
 @dataclass(frozen=True)
@@ -45,45 +36,6 @@ class Found:
     content_hash: str | None  # None: unchanged by the stat check, keep the stored hash
     record: dict | None = None
     failed: bool = False
-
-
-def source_for_path(path: str | Path, source_id: str | None = None, include=(), exclude=(),
-                    allowed_groups: tuple[str, ...] | None = None) -> Source:
-    resolved = Path(path).expanduser().resolve()
-    if resolved.is_dir():
-        kind = "folder"
-    elif resolved.is_file() and resolved.suffix.lower() == ".jsonl":
-        kind = "jsonl"
-    else:
-        raise ValueError(f"{path}: not a folder or a .jsonl file of records")
-    return Source(source_id or resolved.stem or resolved.name, kind, str(resolved), tuple(include), tuple(exclude),
-                  tuple(allowed_groups) if allowed_groups else None)
-
-
-def register_source(conn: psycopg.Connection, source: Source) -> None:
-    conn.execute(
-        """
-        INSERT INTO sources (source_id, kind, location, include_globs, exclude_globs, allowed_groups)
-        VALUES (%s, %s, %s, %s, %s, %s)
-        ON CONFLICT (source_id) DO UPDATE SET kind = excluded.kind, location = excluded.location,
-            include_globs = excluded.include_globs, exclude_globs = excluded.exclude_globs,
-            allowed_groups = excluded.allowed_groups
-        WHERE (sources.kind, sources.location, sources.include_globs, sources.exclude_globs, sources.allowed_groups)
-              IS DISTINCT FROM (excluded.kind, excluded.location, excluded.include_globs, excluded.exclude_globs,
-                                excluded.allowed_groups)
-        """,
-        (source.source_id, source.kind, source.location, list(source.include), list(source.exclude),
-         list(source.allowed_groups) if source.allowed_groups else None),
-    )
-
-
-def load_sources(conn: psycopg.Connection, source_ids: list[str] | None = None) -> list[Source]:
-    rows = conn.execute(
-        "SELECT source_id, kind, location, include_globs, exclude_globs, allowed_groups FROM sources"
-        " WHERE %(ids)s::text[] IS NULL OR source_id = ANY(%(ids)s) ORDER BY source_id",
-        {"ids": source_ids},
-    ).fetchall()
-    return [Source(r[0], r[1], r[2], tuple(r[3]), tuple(r[4]), tuple(r[5]) if r[5] else None) for r in rows]
 
 
 def _selected(relpath: str, source: Source) -> bool:
@@ -108,7 +60,8 @@ def walk_folder(source: Source, known: Known, report: StageReport) -> Iterator[F
             if not _selected(relpath, source):
                 continue
             try:
-                found = _inspect_file(path, relpath, known.get(relpath))
+                found = _inspect_file(source_file(source.location, relpath, source.allow_outside_links), relpath,
+                                      known.get(relpath))
             except (OSError, UnsupportedFormat, ValueError) as exc:
                 reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
                 report.fail(Failure(source.source_id, relpath, STAGE, f"cannot read {path}: {reason}"
@@ -231,9 +184,6 @@ def crawl_source(conn: psycopg.Connection, source: Source, report: StageReport, 
         conn.execute("UPDATE sources SET last_crawled_at = now() WHERE source_id = %s", (source.source_id,))
         conn.execute("UPDATE documents SET stale_since = NULL WHERE source_id = %s AND stale_since IS NOT NULL",
                      (source.source_id,))
-        conn.execute("UPDATE documents d SET allowed_groups = s.allowed_groups FROM sources s"
-                     " WHERE s.source_id = %s AND d.source_id = s.source_id"
-                     " AND d.allowed_groups IS DISTINCT FROM s.allowed_groups", (source.source_id,))
 
 
 def extract(conn: psycopg.Connection, sources: list[Source]) -> StageReport:

@@ -1,4 +1,11 @@
-"""The whole ingest, stage after stage, as the CLI runs it (Dagster runs the same stages as assets)."""
+"""The ingest run: every stage in order over some sources, with the same records and side effects whether
+`kb ingest` or a Dagster materialization runs it.
+
+A run is a row in `ingest_runs`. Each stage writes its report there as it finishes, so a run whose stages are
+Dagster assets in separate processes adds up to the same counters as one `kb ingest`, and `kb status` shows the
+last run whichever entry point started it. The last stage (publish) finishes the run: it switches search to a
+fully embedded new model and records the run's counters.
+"""
 
 from __future__ import annotations
 
@@ -6,21 +13,24 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 import psycopg
+from psycopg.types.json import Jsonb
 
 from pipelines.drafts import chunk_pending, enrich_pending
 from pipelines.embedders import Embedder, embedder_for
 from pipelines.embedding import embed_pending
-from pipelines.extract import extract, load_sources
+from pipelines.extract import extract
 from pipelines.parse import parse_pending
 from pipelines.publish import publish_ready
 from pipelines.report import StageReport
 from pipelines.settings import Settings
+from pipelines.sources import load_sources
 from pipelines.vector_store import activate_if_complete, model_tables
 
 # progress(stage, total) -> advance(n); total is None when unknown up front.
 ProgressFactory = Callable[[str, int | None], Callable[[int], None]]
 
 EXIT_FILE_FAILURES = 3  # documented in README: the run finished, but some files failed
+STAGES = ("extract", "parse", "chunk", "enrich", "embed", "publish")
 
 
 @dataclass
@@ -74,20 +84,76 @@ def embed_all_models(conn: psycopg.Connection, embedder: Embedder, settings: Set
     return report
 
 
+class IngestRun:
+    """One run of the stages over some sources, recorded in `ingest_runs`."""
+
+    def __init__(self, conn: psycopg.Connection, settings: Settings, embedder: Embedder, source_ids: list[str],
+                 run_id: int, progress: ProgressFactory = _no_progress):
+        self.conn, self.settings, self.embedder = conn, settings, embedder
+        self.source_ids, self.run_id, self.progress = source_ids, run_id, progress
+
+    @classmethod
+    def start(cls, conn: psycopg.Connection, settings: Settings, embedder: Embedder,
+              source_ids: list[str] | None = None, started_by: str = "cli", external_run_id: str | None = None,
+              progress: ProgressFactory = _no_progress) -> "IngestRun":
+        """A new run, or the run already recorded for an orchestrator's run id (one row per Dagster run)."""
+        ids = source_ids or [s.source_id for s in load_sources(conn)]
+        run_id = conn.execute(
+            "INSERT INTO ingest_runs (sources, started_by, external_run_id) VALUES (%s, %s, %s)"
+            " ON CONFLICT (external_run_id) DO UPDATE SET sources = ("
+            "   SELECT array_agg(DISTINCT s) FROM unnest(ingest_runs.sources || excluded.sources) s)"
+            " RETURNING run_id", (ids, started_by, external_run_id)).fetchone()[0]
+        return cls(conn, settings, embedder, ids, run_id, progress)
+
+    def run_stage(self, stage: str) -> StageReport:
+        """Run one stage and record its report; the last stage also finishes the run."""
+        report = getattr(self, f"_{stage}")()
+        self.conn.execute("UPDATE ingest_runs SET stages = stages || jsonb_build_object(%s::text, %s::jsonb)"
+                          " WHERE run_id = %s", (stage, Jsonb(report.as_dict()), self.run_id))
+        if stage == STAGES[-1]:
+            self.finish()
+        return report
+
+    def run_all(self) -> IngestSummary:
+        for stage in STAGES:
+            self.run_stage(stage)
+        return self.summary()
+
+    def summary(self) -> IngestSummary:
+        stored = self.conn.execute("SELECT stages FROM ingest_runs WHERE run_id = %s", (self.run_id,)).fetchone()[0]
+        return IngestSummary([StageReport.from_dict(stage, stored[stage]) for stage in STAGES if stage in stored])
+
+    def finish(self) -> None:
+        activate_if_complete(self.conn, self.embedder.model_key)
+        counters = self.summary().as_dict() if self._complete() else {}
+        self.conn.execute("UPDATE ingest_runs SET finished_at = now(), counters = %s WHERE run_id = %s",
+                          (Jsonb(counters), self.run_id))
+
+    def _complete(self) -> bool:
+        stored = self.conn.execute("SELECT stages FROM ingest_runs WHERE run_id = %s", (self.run_id,)).fetchone()[0]
+        return all(stage in stored for stage in STAGES)
+
+    def _extract(self) -> StageReport:
+        return extract(self.conn, load_sources(self.conn, self.source_ids))
+
+    def _parse(self) -> StageReport:
+        return parse_pending(self.conn, self.source_ids, progress_for=lambda total: self.progress("parse", total),
+                             workers=self.settings.parse_workers)
+
+    def _chunk(self) -> StageReport:
+        return chunk_pending(self.conn, self.embedder.counter, self.source_ids)
+
+    def _enrich(self) -> StageReport:
+        return enrich_pending(self.conn, self.embedder.counter, self.source_ids)
+
+    def _embed(self) -> StageReport:
+        return embed_all_models(self.conn, self.embedder, self.settings, self.source_ids, self.progress("embed", None))
+
+    def _publish(self) -> StageReport:
+        return publish_ready(self.conn, self.source_ids, batch_size=self.settings.batch_documents)
+
+
 def ingest(conn: psycopg.Connection, embedder: Embedder, settings: Settings, source_ids: list[str] | None = None,
            progress: ProgressFactory = _no_progress) -> IngestSummary:
-    """Run every stage over the given sources (all registered sources when None)."""
-    summary = IngestSummary()
-    run_id = conn.execute("INSERT INTO ingest_runs (sources) VALUES (%s) RETURNING run_id",
-                          (source_ids or [s.source_id for s in load_sources(conn)],)).fetchone()[0]
-    summary.stages.append(extract(conn, load_sources(conn, source_ids)))
-    summary.stages.append(parse_pending(conn, source_ids, progress_for=lambda total: progress("parse", total),
-                                        workers=settings.parse_workers))
-    summary.stages.append(chunk_pending(conn, embedder.counter, source_ids))
-    summary.stages.append(enrich_pending(conn, embedder.counter, source_ids))
-    summary.stages.append(embed_all_models(conn, embedder, settings, source_ids, progress("embed", None)))
-    summary.stages.append(publish_ready(conn, source_ids, batch_size=settings.batch_documents))
-    activate_if_complete(conn, embedder.model_key)
-    conn.execute("UPDATE ingest_runs SET finished_at = now(), counters = %s WHERE run_id = %s",
-                 (summary.as_dict(), run_id))
-    return summary
+    """Run every stage over the given sources (all declared sources when None), as `kb ingest` does."""
+    return IngestRun.start(conn, settings, embedder, source_ids, progress=progress).run_all()

@@ -1,7 +1,9 @@
-"""A small migration runner: applies sql/NNN_*.sql in order, once each, and records what it applied.
+"""A small migration runner: applies sql/NNN_*.sql in order, once each, and records what it applied; then
+(re)applies sql/functions/*.sql, whose `CREATE OR REPLACE` definitions can change without a new migration.
 
 Safe to run twice and from concurrent processes: an advisory lock serialises runners, each file applies in
 its own transaction, and a changed file that was already applied is an error rather than a silent skip.
+Function files are re-applied whenever their text changes (their checksum is recorded too).
 """
 
 from __future__ import annotations
@@ -53,4 +55,24 @@ def migrate(conn: psycopg.Connection, sql_dir: Path = SQL_DIR) -> list[str]:
                     (version, path.name, checksum),
                 )
             applied_now.append(path.name)
+        applied_now += _apply_functions(conn, sql_dir / "functions")
     return applied_now
+
+
+def _apply_functions(conn: psycopg.Connection, functions_dir: Path) -> list[str]:
+    conn.execute("CREATE TABLE IF NOT EXISTS kb_schema_functions ("
+                 " name text PRIMARY KEY, checksum text NOT NULL, applied_at timestamptz NOT NULL DEFAULT now())")
+    done = dict(conn.execute("SELECT name, checksum FROM kb_schema_functions").fetchall())
+    applied = []
+    for path in sorted(functions_dir.glob("*.sql")):
+        text = path.read_text()
+        checksum = hash_text(text)
+        if done.get(path.name) == checksum:
+            continue
+        with conn.transaction():
+            conn.execute(text)
+            conn.execute("INSERT INTO kb_schema_functions (name, checksum) VALUES (%s, %s)"
+                         " ON CONFLICT (name) DO UPDATE SET checksum = excluded.checksum, applied_at = now()",
+                         (path.name, checksum))
+        applied.append(f"functions/{path.name}")
+    return applied

@@ -19,6 +19,7 @@ from pipelines.elements import Element, ParsedDocument, write_elements
 from pipelines.failures import Failure, clear_failures, record_failure
 from pipelines.file_metadata import file_metadata
 from pipelines.report import StageReport
+from pipelines.sources import OutsideSource, source_file
 
 STAGE = "parse"
 # Page furniture and empty shells carry no retrievable text.
@@ -112,7 +113,7 @@ def parse_file(path: str, doc_format: str) -> ParsedDocument:
 
 
 PENDING = """
-SELECT d.document_id, d.locator, d.doc_format, d.content_hash, s.location, s.source_id
+SELECT d.document_id, d.locator, d.doc_format, d.content_hash, s.location, s.source_id, s.allow_outside_links
 FROM documents d JOIN sources s USING (source_id)
 WHERE d.deleted_at IS NULL AND d.doc_format <> 'record'
   AND d.parsed_hash IS DISTINCT FROM d.content_hash
@@ -121,12 +122,12 @@ ORDER BY d.document_id
 """
 
 
-def _parse_task(task: tuple[str, str]) -> ParsedDocument | str:
+def _parse_task(task: tuple[str, str, bool, str]) -> ParsedDocument | str:
     """A worker's unit of work: the parsed document, or the reason it failed (exceptions stay in the worker)."""
-    path, doc_format = task
+    location, locator, allow_outside_links, doc_format = task
     try:
-        return parse_file(path, doc_format)
-    except (ParseError, OSError) as exc:
+        return parse_file(str(source_file(location, locator, allow_outside_links)), doc_format)
+    except (ParseError, OutsideSource, OSError) as exc:
         return str(exc)
 
 
@@ -158,10 +159,11 @@ def parse_pending(conn: psycopg.Connection, source_ids: list[str] | None = None,
     with parse_workers(workers, len(pending)) as run:
         for start in range(0, len(pending), batch_size):
             batch = pending[start:start + batch_size]
-            paths = [str(Path(location) / locator) for _, locator, _, _, location, _ in batch]
-            results = run(_parse_task, [(path, row[2]) for path, row in zip(paths, batch)])
+            paths = [str(Path(location) / locator) for _, locator, _, _, location, _, _ in batch]
+            results = run(_parse_task, [(location, locator, allow, doc_format)
+                                        for _, locator, doc_format, _, location, _, allow in batch])
             parsed, ok_by_source = [], {}
-            for (doc_id, locator, _, content_hash, _, source_id), path, result in zip(batch, paths, results):
+            for (doc_id, locator, _, content_hash, _, source_id, _), path, result in zip(batch, paths, results):
                 if isinstance(result, str):
                     failure = Failure(source_id, locator, STAGE, f"{path}: {result}")
                     report.fail(failure)

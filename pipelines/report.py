@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 from collections import Counter
+from dataclasses import asdict
 
 from pipelines.failures import Failure
 
@@ -25,3 +26,15 @@ class StageReport:
     def finish(self) -> "StageReport":
         self.elapsed_s = round(time.perf_counter() - self._started, 3)
         return self
+
+    def as_dict(self) -> dict:
+        """The report as stored on its run's `ingest_runs` row."""
+        return {"counts": dict(self.counts), "elapsed_s": self.elapsed_s, "failures": [asdict(f) for f in self.failures]}
+
+    @classmethod
+    def from_dict(cls, stage: str, data: dict) -> "StageReport":
+        report = cls(stage)
+        report.counts = Counter(data["counts"])
+        report.failures = [Failure(**f) for f in data["failures"]]
+        report.elapsed_s = data["elapsed_s"]
+        return report

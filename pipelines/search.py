@@ -2,6 +2,10 @@
 
 See sql/queries/hybrid_search.sql. Filters apply inside both arms, so a selective filter still yields k results
 (the dense arm uses pgvector's iterative index scans to keep going past filtered-out rows).
+
+Access comes first: the caller's groups decide which sources it may read, and everything after that (both arms,
+BM25 statistics, candidate pruning, fusion) works on those sources alone, so nothing a caller sees depends on
+documents it cannot read.
 """
 
 from __future__ import annotations
@@ -59,21 +63,23 @@ class Filters:
     date_from: date | None = None
     date_to: date | None = None
     entities: dict | None = None  # JSONB containment, e.g. {"codes": ["AVX-039"]}
-    groups: list[str] = field(default_factory=list)  # the caller's groups; documents with groups need one of them
+    groups: list[str] = field(default_factory=list)  # the caller's groups: restricted sources need one of them
     as_of: datetime | None = None
 
     @property
     def narrows(self) -> bool:
-        """True when the filters may exclude most of the corpus (access groups only hide restricted documents)."""
+        """True when the filters may exclude most of a source's chunks, which pruned BM25 could then miss.
+        (Sources, and so access groups and source filters, are applied before pruning.)"""
         return any(getattr(self, name) is not None
-                   for name in ("source_id", "doc_format", "date_from", "date_to", "entities", "as_of"))
+                   for name in ("doc_format", "date_from", "date_to", "entities", "as_of"))
 
     def predicate(self) -> tuple[sql.Composable, dict]:
+        """The chunk filter both arms apply; `visible_sources` is filled in from `visible_sources()`."""
         parts = [sql.SQL("c.valid_to IS NULL") if self.as_of is None else
-                 sql.SQL("c.valid_from <= %(as_of)s AND (c.valid_to IS NULL OR c.valid_to > %(as_of)s)")]
-        params: dict = {"as_of": self.as_of, "groups": list(self.groups)}
+                 sql.SQL("c.valid_from <= %(as_of)s AND (c.valid_to IS NULL OR c.valid_to > %(as_of)s)"),
+                 sql.SQL("d.source_id = ANY(%(visible_sources)s)")]
+        params: dict = {"as_of": self.as_of}
         optional = {
-            "source_id": "d.source_id = %(source_id)s",
             "doc_format": "d.doc_format = %(doc_format)s",
             "date_from": "d.doc_date >= %(date_from)s",
             "date_to": "d.doc_date <= %(date_to)s",
@@ -84,8 +90,21 @@ class Filters:
             if value is not None:
                 parts.append(sql.SQL(clause))
                 params[name] = value
-        parts.append(sql.SQL("(d.allowed_groups IS NULL OR d.allowed_groups && %(groups)s::text[])"))
         return sql.SQL(" AND ").join(parts), params
+
+
+VISIBLE = """
+SELECT source_id, source_key FROM sources
+WHERE removed_at IS NULL AND (allowed_groups IS NULL OR allowed_groups && %(groups)s::text[])
+  AND (%(source_id)s::text IS NULL OR source_id = %(source_id)s)
+ORDER BY source_key
+"""
+
+
+def visible_sources(conn: psycopg.Connection, groups: list[str], source_id: str | None = None) -> dict[str, int]:
+    """{source_id: source_key} of the declared sources a caller in these groups may read (public sources, and
+    restricted ones sharing a group with the caller), narrowed to one source when asked."""
+    return dict(conn.execute(VISIBLE, {"groups": list(groups), "source_id": source_id}).fetchall())
 
 
 @dataclass
@@ -132,13 +151,17 @@ def search(conn: psycopg.Connection, embedder: Embedder, query: str, k: int = 5,
     if not 0 <= weight <= 1:
         raise ValueError("lexical_weight must be between 0 and 1")
     n = max(k_overfetch, k)
+    visible = visible_sources(conn, filters.groups, filters.source_id)
+    if not visible:
+        return []
     if vector is None:
         vector = embedder.embed([query])[0] if arm != "lexical" else np.zeros(embedder.dimensions, dtype=np.float32)
     predicate, params = filters.predicate()
     statement = sql.SQL(HYBRID).format(vectors=vector_table(conn, model_key or embedder.model_key), filters=predicate)
     _prepare(conn, n)
     rows = conn.execute(statement, {
-        **params, "query": query, "vector": vector, "k": k, "rrf_k": RRF_K, "lexical_weight": weight,
+        **params, "visible_sources": list(visible), "source_keys": list(visible.values()),
+        "query": query, "vector": vector, "k": k, "rrf_k": RRF_K, "lexical_weight": weight,
         "dense_n": n if arm != "lexical" else 0, "lexical_n": n if arm != "dense" else 0,
         "bm25_k1": BM25_K1, "bm25_b": BM25_B,
         "posting_budget": None if filters.narrows else POSTING_BUDGET,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import psycopg
 
 from pipelines.embedders import Embedder, embedder_for
-from pipelines.search import Filters, search
+from pipelines.search import Filters, search, visible_sources
 from pipelines.settings import Settings
 from pipelines.vector_store import active_model
 
@@ -73,10 +73,12 @@ def run_search(conn: psycopg.Connection, settings: Settings, query: str, k: int 
     }
 
 
-def run_citation_check(conn: psycopg.Connection, settings: Settings, claims: list[dict], retrieved: list[int]) -> dict:
+def run_citation_check(conn: psycopg.Connection, settings: Settings, claims: list[dict], retrieved: list[int],
+                       groups: list[str]) -> dict:
     from pipelines.citations import validate_citations
 
     model = _serving_model(conn)
-    results = validate_citations(conn, _query_embedder(model, settings), claims, retrieved)
+    readable = list(visible_sources(conn, groups))
+    results = validate_citations(conn, _query_embedder(model, settings), claims, retrieved, readable)
     counts = {status: sum(r.status == status for r in results) for status in ("VALID", "WEAK", "INVALID")}
     return {"citations": [r.as_dict() for r in results], "summary": counts}

@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 SQL_DIR = REPO_ROOT / "sql"
 SAMPLES_DIR = REPO_ROOT / "samples"
 EMBEDDERS = ("local", "local-fp32", "openai")
-DEFAULT_SOURCES = f"samples={SAMPLES_DIR / 'docs'};faq={SAMPLES_DIR / 'faq.jsonl'}"
 
 
 @dataclass(frozen=True)
@@ -35,7 +34,7 @@ class Settings:
     rerank_model: str = ""  # a local CrossEncoder path, or the chat model name for "llm"
     golden_set: Path = SAMPLES_DIR / "golden.jsonl"
     golden_floor: float = 0.8  # the asset check fails (and blocks downstream) below this hit@5
-    sources: dict[str, str] = field(default_factory=dict)
+    config_path: Path | None = None  # the kb.toml that `kb source apply` reads by default
     parse_workers: int = 1  # processes that parse files in parallel
     model_cache_dir: Path | None = None  # where the exported ONNX model is cached; None means KB_HOME/models
 
@@ -49,15 +48,12 @@ class Settings:
         return self.model_cache_dir or self.home / "models"
 
 
-def _parse_sources(raw: str) -> dict[str, str]:
-    """`name=path;name2=path2` -> {name: path}. Paths are resolved against the current directory."""
-    out: dict[str, str] = {}
-    for item in filter(None, (part.strip() for part in raw.split(";"))):
-        name, sep, path = item.partition("=")
-        if not sep or not name.strip() or not path.strip():
-            raise ValueError(f"KB_SOURCES entry {item!r} is not of the form name=path")
-        out[name.strip()] = str(Path(path.strip()).expanduser().resolve())
-    return out
+def _config_path(env) -> Path | None:
+    """KB_CONFIG, else a kb.toml in the current directory."""
+    if env.get("KB_CONFIG"):
+        return Path(env["KB_CONFIG"]).expanduser().resolve()
+    local = Path("kb.toml")
+    return local.resolve() if local.is_file() else None
 
 
 def load_settings() -> Settings:
@@ -86,7 +82,7 @@ def load_settings() -> Settings:
         rerank_model=env.get("KB_RERANK_MODEL", ""),
         golden_set=Path(env.get("KB_GOLDEN_SET", str(SAMPLES_DIR / "golden.jsonl"))),
         golden_floor=float(env.get("KB_GOLDEN_FLOOR", "0.8")),
-        sources=_parse_sources(env.get("KB_SOURCES", DEFAULT_SOURCES)),
+        config_path=_config_path(env),
         parse_workers=int(env.get("KB_PARSE_WORKERS", str(min(len(os.sched_getaffinity(0)), 4)))),
         model_cache_dir=Path(env["KB_MODEL_CACHE"]).expanduser().resolve() if env.get("KB_MODEL_CACHE") else None,
     )

@@ -1,4 +1,5 @@
-"""Staleness sweeps: flag documents whose source has not been crawled within its freshness window."""
+"""Staleness sweeps: flag documents whose source has not been crawled within its freshness window (the source's
+declared freshness_hours, else the default window)."""
 
 from __future__ import annotations
 
@@ -11,24 +12,29 @@ FLAG = """
 UPDATE documents d SET stale_since = now()
 FROM sources s
 WHERE d.source_id = s.source_id AND d.deleted_at IS NULL AND d.stale_since IS NULL
-  AND (s.last_crawled_at IS NULL OR s.last_crawled_at < now() - %(window)s)
+  AND (s.last_crawled_at IS NULL
+       OR s.last_crawled_at < now() - coalesce(make_interval(secs => s.freshness_hours * 3600), %(window)s))
 """
 UNFLAG = """
 UPDATE documents d SET stale_since = NULL
 FROM sources s
 WHERE d.source_id = s.source_id AND d.stale_since IS NOT NULL
-  AND (d.deleted_at IS NOT NULL OR s.last_crawled_at >= now() - %(window)s)
+  AND (d.deleted_at IS NOT NULL
+       OR s.last_crawled_at >= now() - coalesce(make_interval(secs => s.freshness_hours * 3600), %(window)s))
 """
+
 PER_SOURCE = """
 SELECT s.source_id, s.last_crawled_at, count(d.*) FILTER (WHERE d.stale_since IS NOT NULL) AS stale_documents,
        min(d.stale_since) AS stale_since
 FROM sources s LEFT JOIN documents d ON d.source_id = s.source_id AND d.deleted_at IS NULL
+WHERE s.removed_at IS NULL
 GROUP BY s.source_id, s.last_crawled_at ORDER BY s.source_id
 """
 
 
 def sweep(conn: psycopg.Connection, freshness: timedelta) -> dict:
-    """Flag (and un-flag) stale documents; returns the count, the oldest crawl and a per-source breakdown."""
+    """Flag (and un-flag) stale documents; `freshness` is the window of sources that declare none. Returns the
+    count, the oldest crawl and a per-source breakdown."""
     with conn.transaction():
         flagged = conn.execute(FLAG, {"window": freshness}).rowcount
         cleared = conn.execute(UNFLAG, {"window": freshness}).rowcount

@@ -6,7 +6,7 @@ import psycopg
 from psycopg.rows import dict_row
 
 SOURCES = """
-SELECT s.source_id, s.kind, s.location, s.last_crawled_at,
+SELECT s.source_id, s.kind, s.location, s.allowed_groups, s.declared_in, s.last_crawled_at,
        (SELECT count(*) FROM documents d WHERE d.source_id = s.source_id AND d.deleted_at IS NULL) AS documents,
        (SELECT count(*) FROM documents d WHERE d.source_id = s.source_id AND d.deleted_at IS NOT NULL) AS deleted,
        (SELECT count(*) FROM chunks c JOIN documents d USING (document_id)
@@ -14,7 +14,7 @@ SELECT s.source_id, s.kind, s.location, s.last_crawled_at,
        (SELECT count(*) FROM failures f WHERE f.source_id = s.source_id) AS failed,
        (SELECT count(*) FROM documents d WHERE d.source_id = s.source_id AND d.stale_since IS NOT NULL
           AND d.deleted_at IS NULL) AS stale
-FROM sources s ORDER BY s.source_id
+FROM sources s WHERE s.removed_at IS NULL ORDER BY s.source_id
 """
 
 
@@ -25,6 +25,7 @@ def knowledge_base_status(conn: psycopg.Connection) -> dict:
             "failures": cur.execute("SELECT source_id, locator, stage, reason, recorded_at FROM failures"
                                     " ORDER BY source_id, locator").fetchall(),
             "models": cur.execute("SELECT model_key, dimensions, state FROM embedding_models ORDER BY created_at").fetchall(),
-            "last_run": cur.execute("SELECT run_id, started_at, finished_at, sources, counters FROM ingest_runs"
+            "last_run": cur.execute("SELECT run_id, started_by, external_run_id, started_at, finished_at, sources,"
+                                    " counters FROM ingest_runs"
                                     " ORDER BY run_id DESC LIMIT 1").fetchone(),
         }

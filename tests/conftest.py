@@ -40,7 +40,8 @@ def settings(server_url, tmp_path, monkeypatch) -> Settings:
     url = _url_with_db(server_url, dbname)
     monkeypatch.setenv("DATABASE_URL", url)
     monkeypatch.setenv("KB_HOME", str(tmp_path / "kb"))
-    monkeypatch.setenv("KB_SOURCES", f"samples={SAMPLES_DIR / 'docs'};faq={SAMPLES_DIR / 'faq.jsonl'}")
+    monkeypatch.delenv("KB_CONFIG", raising=False)
+    monkeypatch.delenv("DAGSTER_HOME", raising=False)  # never touch a developer's Dagster instance
     yield load_settings()
     with psycopg.connect(server_url, autocommit=True) as admin:
         admin.execute(sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(dbname)))
@@ -67,3 +68,14 @@ def samples_copy(tmp_path) -> Path:
     target = tmp_path / "docs"
     shutil.copytree(SAMPLES_DIR / "docs", target)
     return target
+
+
+@pytest.fixture
+def instance(tmp_path):
+    """A throwaway Dagster instance (DAGSTER_HOME points at it while the test runs)."""
+    import dagster as dg
+
+    home = tmp_path / "dagster"
+    home.mkdir()
+    with dg.instance_for_test(temp_dir=str(home)) as test_instance:
+        yield test_instance

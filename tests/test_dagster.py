@@ -4,11 +4,22 @@ import subprocess
 import sys
 
 import dagster as dg
+import pytest
 
 from assets.automation import ingest_job, source_change_sensor
 from assets.definitions import defs
 from assets.ingestion import ASSETS
+from assets.partitions import SOURCES
 from assets.resources import KnowledgeBase
+from pipelines.settings import SAMPLES_DIR
+from pipelines.sources import add_source, declare
+
+
+def declare_sources(conn, instance, **locations) -> None:
+    """Declare sources in the database and give each its partition, as `kb source add` does."""
+    for name, location in locations.items():
+        add_source(conn, declare(name, location), "tests")
+    instance.add_dynamic_partitions(SOURCES, list(locations))
 
 
 def test_definitions_load_with_the_stage_lineage():
@@ -26,58 +37,56 @@ def test_loading_definitions_imports_neither_torch_nor_unstructured():
     assert out.strip() == "[]"
 
 
-def test_assets_materialize_in_process_and_report_metadata(settings, tmp_path):
-    with dg.instance_for_test(temp_dir=str(tmp_path)) as instance:
-        result = dg.materialize(ASSETS, resources={"kb": KnowledgeBase()}, instance=instance, partition_key="samples")
-        assert result.success
-        meta = {e.asset_key.path[-1]: e.step_materialization_data.materialization.metadata
-                for e in result.get_asset_materialization_events()}
-        assert meta["source_documents"]["seen"].value == 9
-        assert meta["source_documents"]["new"].value == 9
-        assert meta["parsed_elements"]["parsed"].value == 9
-        assert meta["chunk_embeddings"]["computed"].value == meta["published_chunks"]["chunks_inserted"].value > 0
-        assert "elapsed_s" in meta["published_chunks"]
+def test_assets_materialize_in_process_and_report_metadata(conn, instance):
+    declare_sources(conn, instance, samples=SAMPLES_DIR / "docs")
+    result = dg.materialize(ASSETS, resources={"kb": KnowledgeBase()}, instance=instance, partition_key="samples")
+    assert result.success
+    meta = {e.asset_key.path[-1]: e.step_materialization_data.materialization.metadata
+            for e in result.get_asset_materialization_events()}
+    assert meta["source_documents"]["seen"].value == 9
+    assert meta["source_documents"]["new"].value == 9
+    assert meta["parsed_elements"]["parsed"].value == 9
+    assert meta["chunk_embeddings"]["computed"].value == meta["published_chunks"]["chunks_inserted"].value > 0
+    assert "elapsed_s" in meta["published_chunks"]
 
-        rerun = dg.materialize(ASSETS, resources={"kb": KnowledgeBase()}, instance=instance, partition_key="samples")
-        again = {e.asset_key.path[-1]: e.step_materialization_data.materialization.metadata
-                 for e in rerun.get_asset_materialization_events()}
-        assert again["source_documents"]["unchanged"].value == 9
-        assert again["chunk_embeddings"]["computed"].value == 0
-        assert again["published_chunks"]["chunks_written"].value == 0
-
-
-def test_quality_checks_pass_after_ingest_and_the_golden_gate_fails_below_its_floor(settings, tmp_path, monkeypatch):
-    with dg.instance_for_test(temp_dir=str(tmp_path)) as instance:
-        result = dg.materialize([*ASSETS, *defs.asset_checks], resources={"kb": KnowledgeBase()}, instance=instance,
-                                partition_key="samples")
-        checks = {c.check_name: c for c in result.get_asset_check_evaluations()}
-        assert checks["every_live_chunk_is_searchable"].passed
-        assert checks["every_live_chunk_is_searchable"].metadata["without_vector"].value == 0
-        golden = checks["golden_set_hit_rate"]
-        assert golden.passed and golden.metadata["queries"].value == 9  # the faq query is skipped: no faq source
-        assert golden.metadata["hit@5"].value == 1.0
-
-        bad = tmp_path / "golden.jsonl"
-        bad.write_text('{"query": "parental leave", "document": "samples:ops/postgres-runbook.txt"}\n')
-        monkeypatch.setenv("KB_GOLDEN_SET", str(bad))
-        failed = dg.materialize([*ASSETS, *defs.asset_checks], resources={"kb": KnowledgeBase()}, instance=instance,
-                                partition_key="samples", raise_on_error=False)
-        golden = {c.check_name: c for c in failed.get_asset_check_evaluations()}["golden_set_hit_rate"]
-        assert not golden.passed and golden.severity == dg.AssetCheckSeverity.ERROR
+    rerun = dg.materialize(ASSETS, resources={"kb": KnowledgeBase()}, instance=instance, partition_key="samples")
+    again = {e.asset_key.path[-1]: e.step_materialization_data.materialization.metadata
+             for e in rerun.get_asset_materialization_events()}
+    assert again["source_documents"]["unchanged"].value == 9
+    assert again["chunk_embeddings"]["computed"].value == 0
+    assert again["published_chunks"]["chunks_written"].value == 0
 
 
-def test_sensor_requests_a_refresh_only_for_sources_that_changed(settings, samples_copy, monkeypatch, tmp_path):
-    from pipelines.settings import SAMPLES_DIR
+def test_quality_checks_pass_after_ingest_and_the_golden_gate_fails_below_its_floor(conn, instance, tmp_path, monkeypatch):
+    declare_sources(conn, instance, samples=SAMPLES_DIR / "docs")
+    result = dg.materialize([*ASSETS, *defs.asset_checks], resources={"kb": KnowledgeBase()}, instance=instance,
+                            partition_key="samples")
+    checks = {c.check_name: c for c in result.get_asset_check_evaluations()}
+    assert checks["every_live_chunk_is_searchable"].passed
+    assert checks["every_live_chunk_is_searchable"].metadata["without_vector"].value == 0
+    golden = checks["golden_set_hit_rate"]
+    assert golden.passed and golden.metadata["queries"].value == 9  # the faq query is skipped: no faq source
+    assert golden.metadata["hit@5"].value == 1.0
 
-    monkeypatch.setenv("KB_SOURCES", f"samples={samples_copy};faq={SAMPLES_DIR / 'faq.jsonl'}")
-    with dg.instance_for_test(temp_dir=str(tmp_path)) as instance:
-        first = source_change_sensor(dg.build_sensor_context(instance=instance))
-        assert sorted(r.partition_key for r in first) == ["faq", "samples"]
-        context = dg.build_sensor_context(instance=instance, cursor=_cursor_after(first))
-        assert list(source_change_sensor(context)) == []
-        (samples_copy / "handbook" / "new-policy.md").write_text("# New policy\n\nEffective immediately.")
-        context = dg.build_sensor_context(instance=instance, cursor=_cursor_after(first))
-        assert [r.partition_key for r in source_change_sensor(context)] == ["samples"]
+    bad = tmp_path / "golden.jsonl"
+    bad.write_text('{"query": "parental leave", "document": "samples:ops/postgres-runbook.txt"}\n')
+    monkeypatch.setenv("KB_GOLDEN_SET", str(bad))
+    failed = dg.materialize([*ASSETS, *defs.asset_checks], resources={"kb": KnowledgeBase()}, instance=instance,
+                            partition_key="samples", raise_on_error=False)
+    golden = {c.check_name: c for c in failed.get_asset_check_evaluations()}["golden_set_hit_rate"]
+    assert not golden.passed and golden.severity == dg.AssetCheckSeverity.ERROR
+
+
+def test_sensor_requests_a_refresh_only_for_sources_that_changed(conn, instance, samples_copy):
+    declare_sources(conn, instance, samples=samples_copy, faq=SAMPLES_DIR / "faq.jsonl")
+    resources = {"kb": KnowledgeBase()}
+    first = source_change_sensor(dg.build_sensor_context(instance=instance, resources=resources))
+    assert sorted(r.partition_key for r in first) == ["faq", "samples"]
+    context = dg.build_sensor_context(instance=instance, cursor=_cursor_after(first), resources=resources)
+    assert list(source_change_sensor(context)) == []
+    (samples_copy / "handbook" / "new-policy.md").write_text("# New policy\n\nEffective immediately.")
+    context = dg.build_sensor_context(instance=instance, cursor=_cursor_after(first), resources=resources)
+    assert [r.partition_key for r in source_change_sensor(context)] == ["samples"]
 
 
 def _cursor_after(requests) -> str:

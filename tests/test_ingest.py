@@ -7,7 +7,7 @@ import numpy as np
 from click.testing import CliRunner
 
 from pipelines.cli import main
-from pipelines.extract import register_source, source_for_path
+from pipelines.sources import add_source, declare
 from pipelines.ingest import EXIT_FILE_FAILURES, ingest
 from pipelines.search import dense_search
 from pipelines.settings import SAMPLES_DIR, load_settings
@@ -36,8 +36,8 @@ def snapshot(conn) -> dict:
 
 
 def ingest_samples(conn, embedder, docs=SAMPLES_DIR / "docs"):
-    register_source(conn, source_for_path(docs, "samples"))
-    register_source(conn, source_for_path(SAMPLES_DIR / "faq.jsonl", "faq"))
+    add_source(conn, declare("samples", docs), "tests")
+    add_source(conn, declare("faq", SAMPLES_DIR / "faq.jsonl"), "tests")
     return ingest(conn, embedder, load_settings())
 
 

@@ -8,7 +8,7 @@ import pytest
 from fake_openai import DIMENSIONS, FakeOpenAI, fake_vector, openai_settings
 
 from pipelines.embedders import OpenAIEmbedder, make_embedder
-from pipelines.extract import register_source, source_for_path
+from pipelines.sources import add_source, declare
 from pipelines.ingest import ingest
 from pipelines.settings import SAMPLES_DIR
 
@@ -57,7 +57,7 @@ def test_concurrency_is_bounded(settings):
 def test_full_ingest_through_the_openai_path(conn, settings):
     with FakeOpenAI() as fake:
         openai = openai_settings(settings, fake)
-        register_source(conn, source_for_path(SAMPLES_DIR / "faq.jsonl", "faq"))
+        add_source(conn, declare("faq", SAMPLES_DIR / "faq.jsonl"), "tests")
         counters = ingest(conn, make_embedder(openai), openai).counters()
     assert counters["documents_published"] == 4
     assert counters["embeddings_computed"] == counters["chunks_inserted"] == sum(fake.batches)

@@ -76,7 +76,8 @@ def test_process_pool_parses_like_one_process_and_still_records_failures(conn, t
     """Enough files for two workers: same elements as parsing in this process; a bad file fails alone."""
     import shutil
 
-    from pipelines.extract import extract, load_sources, register_source, source_for_path
+    from pipelines.extract import extract
+    from pipelines.sources import add_source, declare, load_sources
     from pipelines.parse import POOL_MIN_DOCUMENTS_PER_WORKER, parse_pending
 
     folder = tmp_path / "many"
@@ -84,7 +85,7 @@ def test_process_pool_parses_like_one_process_and_still_records_failures(conn, t
     for i in range(2 * POOL_MIN_DOCUMENTS_PER_WORKER):
         (folder / f"note-{i:02d}.md").write_text(f"# Note {i}\n\nService note {i} for drive AVX-{i:03d}.\n")
     (folder / "broken.docx").write_bytes(b"not a zip archive")
-    register_source(conn, source_for_path(folder, "many"))
+    add_source(conn, declare("many", folder), "tests")
     extract(conn, load_sources(conn))
     report = parse_pending(conn, workers=2)
 

@@ -18,7 +18,7 @@ import pytest
 from pipelines import drafts, publish
 from pipelines.database import connect
 from pipelines.embedders import OnnxEmbedder
-from pipelines.extract import register_source, source_for_path
+from pipelines.sources import add_source, declare
 from pipelines.history import document_history, purge_history
 from pipelines.ingest import ingest
 from pipelines.locks import source_locks
@@ -42,7 +42,7 @@ class CountingEmbedder:
 
 
 def run(conn, embedder, docs):
-    register_source(conn, source_for_path(docs, "samples"))
+    add_source(conn, declare("samples", docs), "tests")
     counting = CountingEmbedder(embedder)
     summary = ingest(conn, counting, load_settings(), ["samples"])
     return summary.counters(), counting.texts
@@ -120,7 +120,7 @@ def test_chunker_version_bump_rechunks_from_stored_elements_without_parsing(conn
     run(conn, embedder, samples_copy)
     monkeypatch.setattr(drafts, "CHUNKER_VERSION", "chunker-test-bump")
     monkeypatch.setattr(publish, "CHUNKER_VERSION", "chunker-test-bump")
-    register_source(conn, source_for_path(samples_copy, "samples"))
+    add_source(conn, declare("samples", samples_copy), "tests")
     summary = ingest(conn, CountingEmbedder(embedder), load_settings(), ["samples"])
     assert summary.stage("parse").counts["parsed"] == 0
     assert summary.stage("chunk").counts["documents"] == 9
@@ -202,7 +202,7 @@ def test_a_run_killed_mid_way_converges_to_the_clean_state(settings, embedder, s
         conn.execute("TRUNCATE sources, documents, elements, chunk_drafts, chunks, failures, document_versions,"
                      f" lexical_postings, lexical_terms, {VECTORS} RESTART IDENTITY CASCADE")
         conn.execute("UPDATE lexical_stats SET chunks = 0, total_length = 0")
-        register_source(conn, source_for_path(samples_copy, "samples"))
+        add_source(conn, declare("samples", samples_copy), "tests")
         ingest(conn, embedder, load_settings(), ["samples"])
         assert content_of(conn) == resumed
         # Same texts, same vectors up to batch composition: the int8 model quantizes activations per batch, so
@@ -218,7 +218,7 @@ def test_two_concurrent_runs_of_one_source_do_the_work_once(settings, embedder, 
     def one_run():
         try:
             with connect(settings) as conn, source_locks(conn, ["samples"]):
-                register_source(conn, source_for_path(samples_copy, "samples"))
+                add_source(conn, declare("samples", samples_copy), "tests")
                 counters.append(ingest(conn, embedder, load_settings(), ["samples"]).counters())
         except Exception as exc:  # surfaced below
             errors.append(exc)

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from fake_openai import FakeOpenAI, openai_settings
 
-from pipelines.extract import register_source, source_for_path
+from pipelines.sources import add_source, declare
 from pipelines.ingest import ingest
 from pipelines.rerank import CrossEncoderReranker, LLMReranker, freshness_boost, mmr
 from pipelines.search import search
@@ -16,7 +16,7 @@ from pipelines.tokens import local_model_dir
 
 @pytest.fixture
 def kb(conn, embedder):
-    register_source(conn, source_for_path(SAMPLES_DIR / "docs", "samples"))
+    add_source(conn, declare("samples", SAMPLES_DIR / "docs"), "tests")
     ingest(conn, embedder, load_settings())
     return conn
 

@@ -4,7 +4,7 @@ import math
 
 import pytest
 
-from pipelines.extract import register_source, source_for_path
+from pipelines.sources import add_source, declare
 from pipelines.ingest import ingest
 from pipelines.search import BM25_B, BM25_K1, RRF_K, Filters, lexical_weight_for, search
 from pipelines.settings import SAMPLES_DIR, load_settings
@@ -12,17 +12,20 @@ from pipelines.settings import SAMPLES_DIR, load_settings
 
 @pytest.fixture
 def kb(conn, embedder, samples_copy):
-    register_source(conn, source_for_path(samples_copy, "samples"))
-    register_source(conn, source_for_path(SAMPLES_DIR / "faq.jsonl", "faq", allowed_groups=("staff",)))
+    add_source(conn, declare("samples", samples_copy), "tests")
+    add_source(conn, declare("faq", SAMPLES_DIR / "faq.jsonl", groups=("staff",)), "tests")
     ingest(conn, embedder, load_settings())
     return conn
 
 
+PUBLIC = "JOIN sources s USING (source_key) WHERE s.allowed_groups IS NULL"  # what an anonymous caller reads
+
+
 def test_bm25_scores_match_the_formula_over_live_statistics(kb, embedder):
     hits = search(kb, embedder, "encoder cable replaced", 3, arm="lexical")
-    n, total = kb.execute("SELECT chunks, total_length FROM lexical_stats").fetchone()
+    n, total = kb.execute(f"SELECT sum(chunks)::float8, sum(total_length)::float8 FROM lexical_stats {PUBLIC}").fetchone()
     avg = total / n
-    df = dict(kb.execute("SELECT term, df FROM lexical_terms").fetchall())
+    df = dict(kb.execute(f"SELECT term, sum(df)::float8 FROM lexical_terms {PUBLIC} GROUP BY term").fetchall())
     for hit in hits:
         tsv, length = kb.execute("SELECT search_tsv::text, lexical_length FROM chunks WHERE chunk_id = %s", (hit.chunk_id,)).fetchone()
         tf = {}
@@ -36,12 +39,15 @@ def test_bm25_scores_match_the_formula_over_live_statistics(kb, embedder):
 
 
 def test_term_statistics_follow_every_publish(kb, embedder, samples_copy):
+    per_source = ("FROM chunks c JOIN documents d USING (document_id) JOIN sources s USING (source_id)"
+                  " WHERE c.valid_to IS NULL")
+
     def consistent():
-        live = kb.execute("SELECT count(*), sum(lexical_length) FROM chunks WHERE valid_to IS NULL").fetchone()
-        assert kb.execute("SELECT chunks, total_length FROM lexical_stats").fetchone() == live
-        recomputed = dict(kb.execute("SELECT u.lexeme, count(*) FROM chunks c, unnest(c.search_tsv) u"
-                                     " WHERE c.valid_to IS NULL GROUP BY 1").fetchall())
-        stored = dict(kb.execute("SELECT term, df FROM lexical_terms WHERE df > 0").fetchall())
+        live = dict(kb.execute(f"SELECT s.source_key, (count(*), sum(c.lexical_length)) {per_source} GROUP BY 1").fetchall())
+        assert dict(kb.execute("SELECT source_key, (chunks, total_length) FROM lexical_stats").fetchall()) == live
+        recomputed = dict(kb.execute(f"SELECT (u.lexeme, s.source_key), count(*) {per_source.replace('WHERE', ', unnest(c.search_tsv) u WHERE')}"
+                                     " GROUP BY 1").fetchall())
+        stored = dict(kb.execute("SELECT (term, source_key), df FROM lexical_terms WHERE df > 0").fetchall())
         assert stored == recomputed
 
     consistent()
@@ -136,7 +142,7 @@ def test_identifier_set_where_the_dense_arm_is_weak(conn, embedder, tmp_path):
                                 f"record the intervention in the maintenance log."})
     path = tmp_path / "notes.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in records))
-    register_source(conn, source_for_path(path, "notes"))
+    add_source(conn, declare("notes", path), "tests")
     ingest(conn, embedder, load_settings())
 
     def hit_at_5(arm):
@@ -157,8 +163,8 @@ def test_lexical_pruning_bounds_the_work_and_keeps_scores_exact(kb, embedder, mo
 
     query = "policy leave weeks approval manager"
     exact = {h.chunk_id: h.lexical_score for h in search(kb, embedder, query, 100, arm="lexical", k_overfetch=100)}
-    df = dict(kb.execute("SELECT t.term, t.df FROM lexical_terms t JOIN unnest(kb_lexemes(%s)) u ON u.lexeme = t.term",
-                         (query,)).fetchall())
+    df = dict(kb.execute(f"SELECT t.term, sum(t.df) FROM lexical_terms t JOIN unnest(kb_lexemes(%s)) u ON u.lexeme = t.term"
+                         f" {PUBLIC} GROUP BY t.term", (query,)).fetchall())
     rarest = min(df, key=lambda t: (df[t], t))
     assert sum(df.values()) > 3 and df[rarest] >= 1, "the query must overflow a budget of 3 postings"
 
@@ -171,8 +177,8 @@ def test_lexical_pruning_bounds_the_work_and_keeps_scores_exact(kb, embedder, mo
         assert tf is not None, "candidates come from the rarest term's postings"
 
     # A narrowing filter turns pruning off: exact BM25 within the filter.
-    filtered = search(kb, embedder, query, 100, arm="lexical", k_overfetch=100, filters=Filters(source_id="samples"))
+    filtered = search(kb, embedder, query, 100, arm="lexical", k_overfetch=100, filters=Filters(doc_format="md"))
     assert all(h.lexical_score == pytest.approx(exact[h.chunk_id], rel=1e-9) for h in filtered)
     assert len(filtered) > 3 and len(filtered) == kb.execute(
         "SELECT count(DISTINCT p.chunk_id) FROM lexical_postings p JOIN chunks c USING (chunk_id) JOIN documents d"
-        " USING (document_id) WHERE p.live AND d.source_id = 'samples' AND p.term = ANY(%s)", (list(df),)).fetchone()[0]
+        " USING (document_id) WHERE p.live AND d.doc_format = 'md' AND p.term = ANY(%s)", (list(df),)).fetchone()[0]

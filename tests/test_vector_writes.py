@@ -7,7 +7,7 @@ from psycopg import sql
 
 from pipelines import vector_store
 from pipelines.embedding import embed_pending, store_vectors
-from pipelines.extract import register_source, source_for_path
+from pipelines.sources import add_source, declare
 from pipelines.ingest import ingest
 from pipelines.settings import SAMPLES_DIR, load_settings
 from pipelines.vector_store import ensure_vector_store
@@ -43,7 +43,7 @@ def test_bulk_writer_is_idempotent_and_atomic_per_batch(conn):
 
 def test_big_load_builds_the_index_after_the_rows_small_ones_use_it(conn, embedder, monkeypatch):
     monkeypatch.setattr(vector_store, "DEFER_INDEX_MIN_ROWS", 10)  # the sample corpus has ~40 chunks
-    register_source(conn, source_for_path(SAMPLES_DIR / "docs", "samples"))
+    add_source(conn, declare("samples", SAMPLES_DIR / "docs"), "tests")
     summary = ingest(conn, embedder, load_settings())
     table = vector_store.table_name(embedder.model_key)
     assert summary.stage("embed").counts["index_deferred"] == 1

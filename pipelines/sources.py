@@ -1,0 +1,358 @@
+"""Sources are declared objects: one row in `sources` holds a source's whole declaration, and every entry point
+(the CLI, Dagster, search) reads it from there.
+
+A declaration is made explicitly, from a config file kept in git (`kb source apply kb.toml`) or with
+`kb source add | update | remove`, and never by a side effect: `kb ingest` of a known source with another
+location, other globs or other groups is refused, and a refresh only reads the declaration. Every change is a
+row in `source_changes` saying who made it, when, and the declaration before and after.
+"""
+
+from __future__ import annotations
+
+import getpass
+import re
+import socket
+import tomllib
+from dataclasses import asdict, dataclass, fields, replace
+from pathlib import Path
+
+import psycopg
+from psycopg.rows import dict_row
+from psycopg.types.json import Jsonb
+
+NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$")
+GROUP = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:@-]{0,62}$")
+
+
+class DeclarationError(ValueError):
+    """A declaration (of a source or an API key) that cannot be made as asked; the message says what to do
+    instead. The CLI reports it as a usage error (exit 2)."""
+
+
+@dataclass(frozen=True)
+class Source:
+    source_id: str
+    kind: str  # "folder" | "jsonl"
+    location: str  # absolute path of the folder or of the .jsonl file
+    include: tuple[str, ...] = ()  # globs of files to take from a folder (empty: all)
+    exclude: tuple[str, ...] = ()
+    groups: tuple[str, ...] | None = None  # who may read its documents; None: every caller
+    freshness_hours: float | None = None  # None: KB_FRESHNESS_HOURS
+    refresh_cron: str | None = None  # None: KB_REFRESH_CRON
+    allow_outside_links: bool = False  # may a symlink in the folder lead outside it?
+    declared_in: str | None = None  # the config file that declares the source; None: the CLI
+
+    def declaration(self) -> dict:
+        """Everything that governs the source, as recorded in the audit trail and compared on re-declaration."""
+        data = asdict(self)
+        del data["source_id"]
+        return {k: list(v) if isinstance(v, tuple) else v for k, v in data.items()}
+
+
+COLUMNS = {  # Source field -> sources column
+    "source_id": "source_id", "kind": "kind", "location": "location", "include": "include_globs",
+    "exclude": "exclude_globs", "groups": "allowed_groups", "freshness_hours": "freshness_hours",
+    "refresh_cron": "refresh_cron", "allow_outside_links": "allow_outside_links", "declared_in": "declared_in",
+}
+SELECT = f"SELECT {', '.join(COLUMNS.values())} FROM sources"
+
+
+def _from_row(row: tuple) -> Source:
+    values = dict(zip(COLUMNS, row))
+    values["include"], values["exclude"] = tuple(values["include"]), tuple(values["exclude"])
+    values["groups"] = tuple(values["groups"]) if values["groups"] else None
+    return Source(**values)
+
+
+def locate(path: str | Path) -> tuple[str, str]:
+    """(kind, absolute location) of a source path: a folder, or a .jsonl file of records."""
+    resolved = Path(path).expanduser().resolve()
+    if resolved.is_dir():
+        return "folder", str(resolved)
+    if resolved.is_file() and resolved.suffix.lower() == ".jsonl":
+        return "jsonl", str(resolved)
+    if not resolved.exists():
+        raise DeclarationError(f"{path}: no such folder or file")
+    raise DeclarationError(f"{path}: a source is a folder of documents or a .jsonl file of records, not a single file;"
+                      f" give its folder, or declare the folder with --include")
+
+
+def declare(name: str | None, path: str | Path, include=(), exclude=(), groups=None, freshness_hours=None,
+            refresh_cron=None, allow_outside_links: bool = False, declared_in: str | None = None) -> Source:
+    """A validated declaration; the name defaults to the folder or file name."""
+    kind, location = locate(path)
+    name = name or Path(location).stem
+    if not NAME.match(name):
+        raise DeclarationError(f"source name {name!r}: use letters, digits, '.', '_' or '-' (at most 63 characters)")
+    return Source(name, kind, location, tuple(include), tuple(exclude), normalise_groups(groups),
+                  _positive(freshness_hours), _cron(refresh_cron), bool(allow_outside_links), declared_in)
+
+
+def normalise_groups(groups) -> tuple[str, ...] | None:
+    """Sorted, de-duplicated group names; no groups at all means the source is public (None)."""
+    if groups is None:
+        return None
+    if isinstance(groups, str):
+        raise DeclarationError("groups are a list of names, not one string")
+    cleaned = sorted({str(g).strip() for g in groups})
+    for group in cleaned:
+        if not GROUP.match(group):
+            raise DeclarationError(f"group name {group!r}: use letters, digits, '.', '_', ':', '@' or '-'")
+    return tuple(cleaned) or None
+
+
+def _positive(hours) -> float | None:
+    if hours is None:
+        return None
+    if not isinstance(hours, (int, float)) or not hours > 0 or hours != hours or hours == float("inf"):
+        raise DeclarationError(f"freshness_hours must be a positive number of hours, not {hours!r}")
+    return float(hours)
+
+
+def _cron(expression: str | None) -> str | None:
+    if expression is None:
+        return None
+    from croniter import croniter
+
+    if not isinstance(expression, str) or not croniter.is_valid(expression):
+        raise DeclarationError(f"refresh_cron {expression!r} is not a valid cron expression")
+    return expression
+
+
+def actor(entry: str) -> str:
+    """Who is making a change: the OS user, the host, and the command."""
+    try:
+        user = getpass.getuser()
+    except (KeyError, OSError):
+        user = "unknown"
+    return f"{user}@{socket.gethostname()} ({entry})"
+
+
+def get_source(conn: psycopg.Connection, source_id: str) -> Source | None:
+    row = conn.execute(SELECT + " WHERE source_id = %s AND removed_at IS NULL", (source_id,)).fetchone()
+    return _from_row(row) if row else None
+
+
+def load_sources(conn: psycopg.Connection, source_ids: list[str] | None = None) -> list[Source]:
+    """Declared (not removed) sources, all of them or those named."""
+    rows = conn.execute(SELECT + " WHERE removed_at IS NULL AND (%(ids)s::text[] IS NULL OR source_id = ANY(%(ids)s))"
+                        " ORDER BY source_id", {"ids": source_ids}).fetchall()
+    return [_from_row(r) for r in rows]
+
+
+def _audit(conn: psycopg.Connection, source_id: str, who: str, action: str, before: Source | None,
+           after: Source | None) -> None:
+    conn.execute("INSERT INTO source_changes (source_id, actor, action, before, after) VALUES (%s, %s, %s, %s, %s)",
+                 (source_id, who, action, Jsonb(before.declaration()) if before else None,
+                  Jsonb(after.declaration()) if after else None))
+
+
+def _write(conn: psycopg.Connection, source: Source) -> None:
+    values = {COLUMNS[f.name]: getattr(source, f.name) for f in fields(Source)}
+    for column in ("include_globs", "exclude_globs", "allowed_groups"):
+        values[column] = list(values[column]) if values[column] is not None else None
+    names = list(values)
+    conn.execute(
+        f"INSERT INTO sources ({', '.join(names)}) VALUES ({', '.join('%s' for _ in names)})"
+        f" ON CONFLICT (source_id) DO UPDATE SET {', '.join(f'{n} = excluded.{n}' for n in names[1:])},"
+        " updated_at = now(), removed_at = NULL",
+        list(values.values()))
+
+
+def _locked(conn: psycopg.Connection, source_id: str) -> tuple[Source | None, bool]:
+    """(the stored declaration, whether it is removed), holding the row until the transaction ends."""
+    row = conn.execute(f"SELECT removed_at IS NOT NULL, {', '.join(COLUMNS.values())} FROM sources"
+                       " WHERE source_id = %s FOR UPDATE", (source_id,)).fetchone()
+    return (_from_row(row[1:]), row[0]) if row else (None, False)
+
+
+def differences(old: Source, new: Source) -> list[str]:
+    before, after = old.declaration(), new.declaration()
+    return [name for name in before if before[name] != after[name]]
+
+
+def add_source(conn: psycopg.Connection, source: Source, who: str) -> bool:
+    """Declare a new source (or re-declare a removed one). Declaring an existing source again is a no-op when
+    nothing differs and an error otherwise: changes go through `update_source`. Returns True when written."""
+    with conn.transaction():
+        stored, removed = _locked(conn, source.source_id)
+        if stored is not None and not removed:
+            changed = differences(stored, source)
+            if not changed:
+                return False
+            raise DeclarationError(
+                f"source {source.source_id!r} is already declared with another {', '.join(changed)}"
+                f" ({_describe(stored, changed)}); change it with `kb source update {source.source_id} ...`"
+                + (f" or in {stored.declared_in}" if stored.declared_in else "") + ", or pick another --source name")
+        _write(conn, source)
+        _audit(conn, source.source_id, who, "add", stored if removed else None, source)
+    return True
+
+
+def _describe(source: Source, names: list[str]) -> str:
+    declared = source.declaration()
+    return "; ".join(f"{name} is {declared[name]!r}" for name in names)
+
+
+def update_source(conn: psycopg.Connection, source_id: str, who: str, via_config: str | None = None,
+                  **changes) -> Source:
+    """Change some fields of a declared source (a location change re-locates it). A source declared in a config
+    file is changed only by applying that file."""
+    with conn.transaction():
+        stored, removed = _locked(conn, source_id)
+        if stored is None or removed:
+            raise DeclarationError(f"no source {source_id!r} is declared; see `kb source list`")
+        if stored.declared_in and stored.declared_in != via_config:
+            raise DeclarationError(f"source {source_id!r} is declared in {stored.declared_in}: edit it there and run"
+                              f" `kb source apply {stored.declared_in}`")
+        if "location" in changes:
+            changes["kind"], changes["location"] = locate(changes["location"])
+        if "groups" in changes:
+            changes["groups"] = normalise_groups(changes["groups"])
+        if "freshness_hours" in changes:
+            changes["freshness_hours"] = _positive(changes["freshness_hours"])
+        if "refresh_cron" in changes:
+            changes["refresh_cron"] = _cron(changes["refresh_cron"])
+        for key in ("include", "exclude"):
+            if key in changes:
+                changes[key] = tuple(changes[key])
+        updated = replace(stored, **changes)
+        if differences(stored, updated):
+            _write(conn, updated)
+            _audit(conn, source_id, who, "update", stored, updated)
+    return updated
+
+
+def remove_source(conn: psycopg.Connection, source_id: str, who: str, via_config: str | None = None) -> int:
+    """Stop serving a source: its documents are soft-deleted with their chunks (history kept) and it leaves
+    every list; `add_source` with the same name brings it back. Returns how many documents were deleted."""
+    with conn.transaction():
+        stored, removed = _locked(conn, source_id)
+        if stored is None or removed:
+            raise DeclarationError(f"no source {source_id!r} is declared; see `kb source list`")
+        if stored.declared_in and stored.declared_in != via_config:
+            raise DeclarationError(f"source {source_id!r} is declared in {stored.declared_in}: delete it there and run"
+                              f" `kb source apply --prune {stored.declared_in}`")
+        deleted = conn.execute("SELECT kb_soft_delete_missing(%s, '{}')", (source_id,)).fetchone()[0]
+        conn.execute("UPDATE sources SET removed_at = now(), updated_at = now() WHERE source_id = %s", (source_id,))
+        conn.execute("DELETE FROM failures WHERE source_id = %s", (source_id,))
+        _audit(conn, source_id, who, "remove", stored, None)
+    return deleted
+
+
+def read_config(path: str | Path) -> list[Source]:
+    """The sources a kb.toml declares. Locations are relative to the file's folder.
+
+        [sources.handbook]
+        location = "docs/handbook"        # a folder, or a .jsonl file of records
+        include = ["**/*.md"]             # optional globs
+        exclude = ["drafts/*"]
+        groups = ["hr"]                   # omit: every caller may read it
+        freshness_hours = 24
+        refresh_cron = "0 6 * * *"
+        allow_outside_links = false
+    """
+    config = Path(path).expanduser().resolve()
+    try:
+        data = tomllib.loads(config.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError) as exc:
+        raise DeclarationError(f"{path}: cannot read the source declarations: {exc}") from exc
+    known = {"location", "include", "exclude", "groups", "freshness_hours", "refresh_cron", "allow_outside_links"}
+    declared = []
+    for name, table in (data.get("sources") or {}).items():
+        if not isinstance(table, dict) or "location" not in table:
+            raise DeclarationError(f"{path}: [sources.{name}] needs a location")
+        unknown = set(table) - known
+        if unknown:
+            raise DeclarationError(f"{path}: [sources.{name}] has unknown keys {sorted(unknown)}; known: {sorted(known)}")
+        try:
+            declared.append(declare(name, config.parent / str(table["location"]), table.get("include", ()),
+                                    table.get("exclude", ()), table.get("groups"), table.get("freshness_hours"),
+                                    table.get("refresh_cron"), table.get("allow_outside_links", False),
+                                    declared_in=str(config)))
+        except DeclarationError as exc:
+            raise DeclarationError(f"{path}: [sources.{name}]: {exc}") from exc
+    return declared
+
+
+def apply_config(conn: psycopg.Connection, path: str | Path, who: str, prune: bool = False) -> dict:
+    """Make the sources table match a config file: add what is new, update what changed, and (with prune)
+    remove the sources this file declared before and no longer does. A source declared elsewhere (the CLI or
+    another file) is never taken over silently."""
+    declared = read_config(path)
+    config = str(Path(path).expanduser().resolve())
+    result: dict[str, list[str]] = {"added": [], "updated": [], "unchanged": [], "removed": [], "not_in_file": []}
+    for source in declared:
+        stored = get_source(conn, source.source_id)
+        if stored is None:
+            add_source(conn, source, who)
+            result["added"].append(source.source_id)
+        elif stored.declared_in != config:
+            where = stored.declared_in or "the CLI"
+            raise DeclarationError(f"{path}: source {source.source_id!r} is already declared from {where};"
+                              f" remove it there first (`kb source remove {source.source_id}`) or rename it here")
+        elif differences(stored, source):
+            changes = {k: getattr(source, k) for k in differences(stored, source)}
+            update_source(conn, source.source_id, who, via_config=config, **changes)
+            result["updated"].append(source.source_id)
+        else:
+            result["unchanged"].append(source.source_id)
+    names = {s.source_id for s in declared}
+    for stale in (s for s in load_sources(conn) if s.declared_in == config and s.source_id not in names):
+        if prune:
+            remove_source(conn, stale.source_id, who, via_config=config)
+            result["removed"].append(stale.source_id)
+        else:
+            result["not_in_file"].append(stale.source_id)
+    return result
+
+
+class OutsideSource(ValueError):
+    pass
+
+
+def source_file(location: str, relpath: str, allow_outside_links: bool = False) -> Path:
+    """The file at `relpath` in a source folder. A path that resolves outside the folder (a symlink, `..`) is
+    refused unless the source's declaration allows it: a source must never expose files it does not hold.
+    Checked when the folder is walked and again when the file is opened for parsing."""
+    root = Path(location)
+    path = root / relpath
+    if not allow_outside_links:
+        target = path.resolve()
+        if not target.is_relative_to(root.resolve()):
+            raise OutsideSource(f"resolves to {target}, outside the source folder {root}"
+                                " (a source declared with allow_outside_links may follow such links)")
+    return path
+
+
+def source_for_ingest(conn: psycopg.Connection, path: str | Path, name: str | None, include=(), exclude=(),
+                      groups=None, who: str = "") -> str:
+    """What `kb ingest PATH` means: a new source is declared from the command; a declared one is ingested as
+    declared, and a command that would change its location, globs or groups is refused."""
+    wanted = declare(name, path, include, exclude, groups)
+    stored = get_source(conn, wanted.source_id)
+    if stored is None:
+        add_source(conn, wanted, who)
+        return wanted.source_id
+    asked = {"location": wanted.location}
+    if include:
+        asked["include"] = list(wanted.include)
+    if exclude:
+        asked["exclude"] = list(wanted.exclude)
+    if groups:
+        asked["groups"] = list(wanted.groups or ())
+    declared = stored.declaration()
+    declared["groups"] = declared["groups"] or []
+    clashes = [key for key, value in asked.items() if declared[key] != value]
+    if clashes:
+        how = (f"edit {stored.declared_in} and run `kb source apply`" if stored.declared_in
+               else f"run `kb source update {stored.source_id} ...`")
+        raise DeclarationError(f"source {stored.source_id!r} is declared with {_describe(stored, clashes)}, not what this"
+                          f" command gives; ingesting never changes a declaration: {how}, or use another --source name")
+    return stored.source_id
+
+
+def source_changes(conn: psycopg.Connection, source_id: str, limit: int = 20) -> list[dict]:
+    with conn.cursor(row_factory=dict_row) as cur:
+        return cur.execute("SELECT change_id, changed_at, actor, db_user, action, before, after FROM source_changes"
+                           " WHERE source_id = %s ORDER BY change_id DESC LIMIT %s", (source_id, limit)).fetchall()
