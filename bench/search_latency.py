@@ -1,12 +1,13 @@
 """Hybrid search latency and throughput on a synthetic knowledge base of N chunks.
 
-    .venv/bin/python bench/search_latency.py --chunks 10000 --chunks 100000
+    .venv/bin/python -m bench.search_latency --chunks 10000 --chunks 100000
 
 Each size gets its own database on the embedded server (KB_HOME, default /tmp/kb-bench-search), built once and
 reused by later runs (--rebuild starts over). Reports load and HNSW build time, table + index size per chunk,
-and median/p95 latency of 200 hybrid queries (dense + BM25 + RRF, k=10, k_overfetch=20) from one client and
-from 4 concurrent clients, with their queries per second. Query embedding is not included (the vectors are
-synthetic). Writes bench/results/search_latency_<sizes>.json.
+and median/p95 latency of 200 hybrid queries (dense + BM25 + RRF, k=10, k_overfetch=20) for each kind of caller
+and filter in CALLERS from one client, and for a caller with groups from 4 concurrent clients, with their
+queries per second. Query embedding is not included (the vectors are synthetic).
+Writes bench/results/search_latency_<sizes>.json.
 """
 
 from __future__ import annotations
@@ -17,10 +18,13 @@ import os
 import statistics
 import time
 from concurrent.futures import ThreadPoolExecutor
+from datetime import datetime
 
 import numpy as np
 
 from bench.report import write_results
+from bench.synthetic import CLOSED_FROM, CODES
+from pipelines.search import Filters
 
 QUERIES = 200
 MODEL_KEY, DIMENSIONS = "bench:synthetic:384", 384  # as bench/synthetic.py builds it
@@ -60,7 +64,22 @@ def build_once(conn, size: int) -> dict:
     return facts
 
 
-def latencies(url: str, settings, vectors: np.ndarray, queries: list[str]) -> list[float]:
+# Who searches, with which filter (bench/synthetic.py spreads documents over public-a 40%, public-b 20%, hr 20%
+# and finance 20%). The i-th query's filters; entity filters take a different code per query.
+GROUP_CALLER = "caller with group hr (reads 80%)"
+CALLERS = {
+    "operator (every group, reads 100%)": lambda i: Filters(groups=["hr", "finance"]),
+    GROUP_CALLER: lambda i: Filters(groups=["hr"]),
+    "no key (public sources, 60%)": lambda i: Filters(),
+    "group hr + source filter public-b (20%)": lambda i: Filters(groups=["hr"], source_id="public-b"),
+    "group hr + as-of a month back (closed versions, 10%)": lambda i: Filters(
+        groups=["hr"], as_of=datetime.fromisoformat(CLOSED_FROM.replace("Z", "+00:00")).replace(day=15)),
+    "group hr + entity code (about 100 chunks per 1M)": lambda i: Filters(
+        groups=["hr"], entities={"codes": [f"C-{(i * 7919) % CODES}"]}),
+}
+
+
+def latencies(url: str, settings, vectors: np.ndarray, queries: list[str], filters_for=CALLERS[GROUP_CALLER]) -> list[float]:
     """Seconds per query for one client on its own connection."""
     from pipelines.database import connect
     from pipelines.search import search
@@ -68,9 +87,9 @@ def latencies(url: str, settings, vectors: np.ndarray, queries: list[str]) -> li
     with connect(dataclasses.replace(settings, database_url=url)) as conn:
         embedder = FixedVectors(vectors)
         out = []
-        for query in queries:
+        for i, query in enumerate(queries):
             started = time.perf_counter()
-            search(conn, embedder, query, 10, k_overfetch=20, lexical_weight=0.5)
+            search(conn, embedder, query, 10, k_overfetch=20, lexical_weight=0.5, filters=filters_for(i))
             out.append(time.perf_counter() - started)
         return out
 
@@ -94,14 +113,14 @@ def measure(url: str, settings, size: int) -> dict:
     queries = [" ".join(words(rng, 4)) for _ in range(QUERIES)]
     vectors = unit_vectors(rng, QUERIES)
     latencies(url, settings, vectors[:20], queries[:20])  # warm caches
-    single = latencies(url, settings, vectors, queries)
+    single = {name: summary(latencies(url, settings, vectors, queries, filters_for)) for name, filters_for in CALLERS.items()}
     started = time.perf_counter()
     with ThreadPoolExecutor(4) as pool:
         per_client = list(pool.map(lambda i: latencies(url, settings, np.roll(vectors, i, axis=0), queries[i:] + queries[:i]),
                                    range(4)))
     wall = time.perf_counter() - started
     together = [t for client in per_client for t in client]
-    return {**facts, "single_client": summary(single), "four_clients": summary(together),
+    return {**facts, "single_client": single, "four_clients": {GROUP_CALLER: summary(together)},
             "qps_4_clients": round(len(together) / wall, 1)}
 
 
@@ -109,6 +128,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--chunks", type=int, action="append", required=True)
     parser.add_argument("--rebuild", action="store_true", help="drop and rebuild each size's database")
+    parser.add_argument("--build-only", action="store_true", help="build (or keep) each size's database, measure nothing")
     args = parser.parse_args()
     os.environ.setdefault("KB_HOME", "/tmp/kb-bench-search")
     from pipelines.database import database_url, ensure_database
@@ -124,9 +144,16 @@ def main() -> None:
             with psycopg.connect(server, autocommit=True) as admin:
                 admin.execute(f"DROP DATABASE IF EXISTS kb_bench_search_{size} WITH (FORCE)")
         url = ensure_database(server, f"kb_bench_search_{size}")
+        if args.build_only:
+            from pipelines.database import connect
+
+            with connect(dataclasses.replace(settings, database_url=url)) as conn:
+                print(build_once(conn, size), flush=True)
+            continue
         results.append(measure(url, settings, size))
         print(results[-1], flush=True)
-    write_results("search_latency_" + "_".join(str(size) for size in args.chunks), {"sizes": results})
+    if results:
+        write_results("search_latency_" + "_".join(str(size) for size in args.chunks), {"sizes": results})
 
 
 if __name__ == "__main__":

@@ -11,6 +11,7 @@ from fastapi.testclient import TestClient
 from pipelines.api import create_app
 from pipelines.sources import add_source, declare
 from pipelines.ingest import ingest
+from pipelines.embedders import make_embedder
 from pipelines.settings import SAMPLES_DIR, load_settings
 
 
@@ -78,7 +79,8 @@ def test_empty_knowledge_base_is_a_409(settings):
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 
 
-def test_console_page_shows_results_with_per_arm_ranks(settings, ingested):
+def console_dom(settings, url_path: str) -> str:
+    """The console page as headless Chromium renders it, against a live server on a free port."""
     import uvicorn
 
     assert CHROMIUM, "headless Chromium is required (make test installs Debian's chromium)"
@@ -89,17 +91,34 @@ def test_console_page_shows_results_with_per_arm_ranks(settings, ingested):
         time.sleep(0.05)
     port = server.servers[0].sockets[0].getsockname()[1]
     try:
-        dom = subprocess.run(
+        return subprocess.run(
             [CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
              "--disable-component-update", "--disable-sync", "--no-first-run", "--virtual-time-budget=10000",
-             "--dump-dom", f"http://127.0.0.1:{port}/?q=AVX-039%20fault%20codes"],
+             "--dump-dom", f"http://127.0.0.1:{port}{url_path}"],
             capture_output=True, text=True, timeout=90, check=True).stdout
     finally:
         server.should_exit = True
         thread.join(timeout=10)
+
+
+def test_console_page_shows_results_with_per_arm_ranks(settings, ingested):
+    dom = console_dom(settings, "/?q=AVX-039%20fault%20codes")
     assert dom.count('class="hit"') == 5
     assert "samples:products/avx-series-manual.html" in dom
     assert "lexical (BM25) #1" in dom and "dense #" in dom
+
+
+def test_console_reads_with_the_key_it_is_given(settings, conn, ingested):
+    from pipelines.access import create_key
+
+    add_source(conn, declare("faq", SAMPLES_DIR / "faq.jsonl", groups=["staff"]), "tests")
+    ingest(conn, make_embedder(settings), settings, ["faq"])
+    _, token = create_key(conn, "console", ["staff"], "tests")
+    query = "/?q=How%20do%20I%20reset%20my%20VPN%20token%3F"
+    assert "faq:faq-001" not in console_dom(settings, query)
+    with_key = console_dom(settings, query + f"#key={token}")
+    assert "faq:faq-001" in with_key and "reading with your key" in with_key
+    assert "needs a valid API key" in console_dom(settings, query + "#key=kb_0000_wrong")
 
 
 def test_citations_are_valid_weak_or_invalid(client):

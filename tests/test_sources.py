@@ -1,0 +1,192 @@
+"""Declared sources: kb.toml and `kb source ...`, the audit trail, Dagster's partitions and refreshes kept in step
+with the declarations, and one runner for `kb ingest` and Dagster."""
+
+from __future__ import annotations
+
+import json
+from datetime import datetime, timedelta, timezone
+
+import dagster as dg
+import psycopg
+import pytest
+from click.testing import CliRunner
+
+from assets.automation import scheduled_refresh, source_partitions
+from assets.ingestion import ASSETS
+from assets.partitions import SOURCES
+from assets.resources import KnowledgeBase
+from pipelines.cli import main
+from pipelines.database import connect
+from pipelines.settings import SAMPLES_DIR
+
+
+def kb(*args: str, expect: int = 0):
+    result = CliRunner().invoke(main, list(args))
+    assert result.exit_code == expect, result.output
+    return result
+
+
+def kb_json(*args: str):
+    return json.loads(kb(*args, "--json").stdout)
+
+
+def test_cli_declarations_are_audited_and_remove_soft_deletes(settings, samples_copy):
+    kb("source", "add", "handbook", str(samples_copy), "--include", "handbook/*", "--group", "hr")
+    assert kb_json("source", "list") == [{"source_id": "handbook", "kind": "folder", "location": str(samples_copy),
+                                          "include": ["handbook/*"], "exclude": [], "groups": ["hr"],
+                                          "freshness_hours": None, "refresh_cron": None,
+                                          "allow_outside_links": False, "declared_in": None}]
+    kb("ingest", "--source", "handbook")
+    kb("source", "update", "handbook", "--group", "hr", "--group", "legal", "--freshness-hours", "12")
+    bad_cron = kb("source", "update", "handbook", "--refresh-cron", "every morning", expect=2)
+    assert "not a valid cron expression" in bad_cron.output
+
+    shown = kb_json("source", "show", "handbook")
+    assert shown["source"]["groups"] == ["hr", "legal"] and shown["source"]["freshness_hours"] == 12
+    changes = shown["changes"]
+    assert [c["action"] for c in changes] == ["update", "add"]
+    assert changes[0]["before"]["groups"] == ["hr"] and changes[0]["after"]["groups"] == ["hr", "legal"]
+    assert "kb source update" in changes[0]["actor"] and changes[0]["db_user"]
+
+    removed = kb_json("source", "remove", "handbook")
+    assert removed["documents_deleted"] == 1
+    assert kb_json("source", "list") == []
+    kb("ingest", "--source", "handbook", expect=2)
+    with connect(settings) as conn:
+        assert conn.execute("SELECT count(*) FROM chunks WHERE valid_to IS NULL").fetchone()[0] == 0
+        events = conn.execute("SELECT event FROM document_versions ORDER BY recorded_at").fetchall()
+        assert [e[0] for e in events] == ["published", "deleted"]  # history kept
+    kb("source", "add", "handbook", str(samples_copy), "--include", "handbook/*", "--group", "hr")
+    restored = kb_json("ingest", "--source", "handbook")
+    assert restored["documents_published"] == 1 and restored["embeddings_computed"] == 0  # vectors from history
+
+
+def test_a_config_file_declares_sources_and_owns_them(settings, tmp_path):
+    config = tmp_path / "kb.toml"
+    config.write_text(f"""
+[sources.samples]
+location = "{SAMPLES_DIR / 'docs'}"
+exclude = ["sales/*"]
+
+[sources.faq]
+location = "{SAMPLES_DIR / 'faq.jsonl'}"
+groups = ["staff"]
+refresh_cron = "15 6 * * 1-5"
+""")
+    assert kb_json("source", "apply", str(config)) == {
+        "added": ["samples", "faq"], "updated": [], "unchanged": [], "removed": [], "not_in_file": []}
+    assert kb_json("source", "apply", str(config))["unchanged"] == ["samples", "faq"]
+    refused = kb("source", "update", "faq", "--public", expect=2)
+    assert f"declared in {config}" in refused.output
+    kb("source", "remove", "faq", expect=2)
+
+    config.write_text(f"""
+[sources.faq]
+location = "{SAMPLES_DIR / 'faq.jsonl'}"
+groups = ["staff", "contractors"]
+""")
+    result = kb_json("source", "apply", str(config))
+    assert result["updated"] == ["faq"] and result["not_in_file"] == ["samples"]
+    assert kb_json("source", "apply", str(config), "--prune")["removed"] == ["samples"]
+    assert [s["source_id"] for s in kb_json("source", "list")] == ["faq"]
+    faq_changes = kb_json("source", "show", "faq")["changes"]
+    assert faq_changes[0]["after"]["groups"] == ["contractors", "staff"] and str(config) in faq_changes[0]["actor"]
+
+    bad = tmp_path / "bad.toml"
+    bad.write_text('[sources.x]\nlocation = "nowhere"\ngroup = ["typo"]\n')
+    assert "unknown keys ['group']" in kb("source", "apply", str(bad), expect=2).output
+
+
+def test_a_file_path_is_not_a_source(settings):
+    result = kb("ingest", str(SAMPLES_DIR / "docs" / "handbook" / "leave-policy.md"), expect=2)
+    assert "not a single file" in result.output
+
+
+def test_dagster_partitions_follow_the_declarations(settings, instance):
+    resources = {"kb": KnowledgeBase()}
+    kb("source", "add", "faq", str(SAMPLES_DIR / "faq.jsonl"))  # DAGSTER_HOME is the test instance: synced at once
+    assert instance.get_dynamic_partitions(SOURCES) == ["faq"]
+
+    with connect(settings) as conn:  # a declaration made behind the CLI's back is picked up by the sensor
+        conn.execute("INSERT INTO sources (source_id, kind, location) VALUES ('tickets', 'jsonl', %s)",
+                     (str(SAMPLES_DIR / "faq.jsonl"),))
+        conn.execute("UPDATE sources SET removed_at = now() WHERE source_id = 'faq'")
+    result = source_partitions(dg.build_sensor_context(instance=instance, resources=resources))
+    requests = {type(r).__name__: list(r.partition_keys) for r in result.dynamic_partitions_requests}
+    assert requests == {"AddDynamicPartitionsRequest": ["tickets"], "DeleteDynamicPartitionsRequest": ["faq"]}
+
+
+def test_scheduled_refresh_follows_each_sources_own_cron(settings, instance):
+    kb("source", "add", "faq", str(SAMPLES_DIR / "faq.jsonl"), "--refresh-cron", "0 6 * * *")
+    kb("source", "add", "samples", str(SAMPLES_DIR / "docs"))  # default KB_REFRESH_CRON: hourly
+    instance.add_dynamic_partitions(SOURCES, ["faq", "samples"])
+    resources = {"kb": KnowledgeBase()}
+    first = scheduled_refresh(dg.build_sensor_context(instance=instance, resources=resources))
+    assert first == []  # the first tick notes the time
+
+    two_hours_ago = (datetime.now(timezone.utc) - timedelta(hours=2)).isoformat()
+    requested = scheduled_refresh(dg.build_sensor_context(instance=instance, resources=resources, cursor=two_hours_ago))
+    assert [r.partition_key for r in requested] == ["samples"] + (["faq"] if _six_passed_in(two_hours_ago) else [])
+    assert all(r.run_key.startswith(f"{r.partition_key}:cron:") for r in requested)
+
+
+def _six_passed_in(since: str) -> bool:
+    from croniter import croniter
+
+    return croniter("0 6 * * *", datetime.fromisoformat(since)).get_next(datetime) <= datetime.now(timezone.utc)
+
+
+TABLES = {  # content of every table an ingest writes, without ids and times that differ between databases
+    "documents": "SELECT source_id, locator, doc_format, size_bytes, content_hash, title, metadata, parsed_hash,"
+                 " published_key, deleted_at IS NULL, doc_date FROM documents",
+    "elements": "SELECT d.locator, e.seq, e.category, e.text, e.depth, e.page_number, e.section_path, e.text_as_html"
+                " FROM elements e JOIN documents d USING (document_id)",
+    "chunks": "SELECT d.locator, c.ordinal, c.kind, c.text, c.embed_text, c.text_hash, c.section_path, c.page_number,"
+              " c.token_count, c.entities, c.chunker_version, c.enrich_version, c.valid_to IS NULL"
+              " FROM chunks c JOIN documents d USING (document_id)",
+    "versions": "SELECT d.locator, v.version, v.event, v.content_hash, v.chunks_added, v.chunks_closed, v.chunks_kept"
+                " FROM document_versions v JOIN documents d USING (document_id)",
+    "postings": "SELECT p.term, d.locator, c.ordinal, p.tf, p.length, p.live FROM lexical_postings p"
+                " JOIN chunks c USING (chunk_id) JOIN documents d USING (document_id)",
+    "terms": "SELECT term, df FROM lexical_terms",
+    "stats": "SELECT chunks, total_length FROM lexical_stats",
+    "models": "SELECT model_key, dimensions, vector_table, state FROM embedding_models",
+    "drafts": "SELECT document_id FROM chunk_drafts",
+    "failures": "SELECT source_id, locator, stage, reason FROM failures",
+    "run": "SELECT sources, counters - 'elapsed_s', finished_at IS NOT NULL FROM ingest_runs",
+}
+
+
+def _store(url: str) -> dict:
+    with psycopg.connect(url) as conn:
+        rows = {name: sorted(map(repr, conn.execute(query).fetchall())) for name, query in TABLES.items()}
+        table = conn.execute("SELECT vector_table FROM embedding_models").fetchone()[0]
+        rows["vectors"] = sorted(map(repr, conn.execute(f"SELECT text_hash, embedding::text FROM {table}").fetchall()))
+    return rows
+
+
+def test_kb_ingest_and_a_dagster_materialization_leave_identical_stores(settings, server_url, instance, samples_copy,
+                                                                        monkeypatch):
+    (samples_copy / "broken.pdf").write_bytes(b"%PDF-1.4 not really")  # failures are part of the record too
+    kb("source", "add", "samples", str(samples_copy))
+    kb("ingest", "--source", "samples", expect=3)
+    by_cli = _store(settings.database_url)
+
+    second = "kb_test_dagster_" + settings.database_url.rsplit("kb_test_", 1)[1].split()[0][:8]
+    with psycopg.connect(server_url, autocommit=True) as admin:
+        admin.execute(f"CREATE DATABASE {second}")
+    info = psycopg.conninfo.conninfo_to_dict(settings.database_url)
+    info["dbname"] = second
+    monkeypatch.setenv("DATABASE_URL", psycopg.conninfo.make_conninfo(**info))
+    try:
+        kb("source", "add", "samples", str(samples_copy))
+        result = dg.materialize(ASSETS, resources={"kb": KnowledgeBase()}, instance=instance, partition_key="samples")
+        assert result.success
+        by_dagster = _store(psycopg.conninfo.make_conninfo(**info))
+        status = kb_json("status")
+    finally:
+        with psycopg.connect(server_url, autocommit=True) as admin:
+            admin.execute(f"DROP DATABASE IF EXISTS {second} WITH (FORCE)")
+    assert by_dagster == by_cli
+    assert status["last_run"]["started_by"] == "dagster" and status["last_run"]["external_run_id"] == result.run_id
+    assert status["last_run"]["counters"]["documents_failed"] == 1
