@@ -19,8 +19,15 @@ INGESTION = "ingestion"
 EMBEDDINGS = "embeddings"
 
 
+class CrawlConfig(dg.Config):
+    """Run config of source_documents: set allow_deletions to confirm that documents really are gone when a crawl
+    would soft-delete more than the source's max_deletion_share (without it, such a crawl deletes none)."""
+
+    allow_deletions: bool = False
+
+
 @contextmanager
-def ingest_run(kb: KnowledgeBase, context: dg.AssetExecutionContext):
+def ingest_run(kb: KnowledgeBase, context: dg.AssetExecutionContext, allow_deletions: bool = False):
     """The partition's source under its advisory lock, as one `ingest_runs` row per Dagster run: the same runner,
     records and side effects as `kb ingest`."""
     from pipelines.ingest import IngestRun
@@ -33,11 +40,12 @@ def ingest_run(kb: KnowledgeBase, context: dg.AssetExecutionContext):
             raise dg.Failure(f"source {source_id!r} is not declared (see `kb source list`); its partition is left"
                              " over and the source_partitions sensor will remove it")
         yield IngestRun.start(conn, kb.settings, kb.embedder, [source_id], started_by="dagster",
-                              external_run_id=context.run_id)
+                              external_run_id=context.run_id, allow_deletions=allow_deletions)
 
 
-def run_stage(context: dg.AssetExecutionContext, kb: KnowledgeBase, stage: str, row_count_key: str) -> dg.MaterializeResult:
-    with ingest_run(kb, context) as run:
+def run_stage(context: dg.AssetExecutionContext, kb: KnowledgeBase, stage: str, row_count_key: str,
+              allow_deletions: bool = False) -> dg.MaterializeResult:
+    with ingest_run(kb, context, allow_deletions) as run:
         report = run.run_stage(stage)
     for failure in report.failures:
         context.log.warning(str(failure))
@@ -45,9 +53,9 @@ def run_stage(context: dg.AssetExecutionContext, kb: KnowledgeBase, stage: str, 
 
 
 @dg.asset(partitions_def=sources, group_name=INGESTION, kinds={"python", "postgres"})
-def source_documents(context: dg.AssetExecutionContext, kb: KnowledgeBase) -> dg.MaterializeResult:
+def source_documents(context: dg.AssetExecutionContext, kb: KnowledgeBase, config: CrawlConfig) -> dg.MaterializeResult:
     """Documents found in the source, with size, mtime and content hash; vanished ones soft-deleted."""
-    return run_stage(context, kb, "extract", "seen")
+    return run_stage(context, kb, "extract", "seen", config.allow_deletions)
 
 
 @dg.asset(deps=[source_documents], partitions_def=sources, group_name=INGESTION, kinds={"unstructured", "postgres"},

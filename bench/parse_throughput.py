@@ -4,7 +4,8 @@
 
 Writes the same documents as PDF, HTML, DOCX and Markdown: each one 6 SciFact abstracts under their titles as
 headings (about 1,300 words, 3-4 PDF pages). Times `parse_file` (unstructured, as kb runs it) per format in this
-process, then parses all of them through `parse_workers` with 1 and with N workers (worker start-up included).
+process, then parses all of them through kb's worker pool (`isolated_map`) with 1 and with N workers (worker
+start-up included).
 Writes bench/results/parse_throughput.json.
 """
 
@@ -20,7 +21,9 @@ import time
 from pathlib import Path
 
 from bench.report import print_table, write_results
-from pipelines.parse import _parse_task, parse_file, parse_workers
+from pipelines.parse import _parse_task, parse_file
+from pipelines.settings import Limits
+from pipelines.workers import _stop_pool, isolated_map
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "samples"))
 from generate import pdf_bytes  # noqa: E402  (samples/ is not a package)
@@ -89,12 +92,12 @@ def main() -> None:
             rows.append({"format": fmt, "documents": len(items), "mb": round(megabytes, 2),
                          "elements_per_doc": round(elements / len(items), 1),
                          "docs_per_s": round(len(items) / seconds, 1), "mb_per_s": round(megabytes / seconds, 2)})
-        everything = [t for items in tasks.values() for t in items]
+        everything = [(str(Path(p).parent), Path(p).name, False, f, Limits()) for items in tasks.values() for p, f in items]
         pool = {}
         for workers in (1, args.workers):
+            _stop_pool()  # each measurement starts its own workers
             started = time.perf_counter()
-            with parse_workers(workers, len(everything)) as run:
-                failures = [r for r in run(_parse_task, everything) if isinstance(r, str)]
+            failures = [r for r in isolated_map(_parse_task, everything, workers, 600, 4000) if isinstance(r, str)]
             pool[workers] = time.perf_counter() - started
             assert not failures, failures[:3]
     result = {"per_format": rows, "mixed_documents": len(everything), "workers": args.workers,

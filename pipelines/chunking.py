@@ -3,7 +3,10 @@
 A chunk never spans two sections. A section that fits the budget is one chunk; a longer one is packed
 paragraph by paragraph, and a paragraph that does not fit is packed sentence by sentence. Each chunk after
 the first in a section repeats the previous chunk's last one or two sentences (overlap). Tables are chunks of
-their own, kept whole when they fit and otherwise split between rows with the header row repeated.
+their own, kept whole when they fit and otherwise split between rows with the header row repeated. Text that
+fits nowhere (a sentence or a row longer than the whole budget, a 300 KB token with no spaces) is cut between
+words, or between tokens as the last resort, so that no chunk ever exceeds the budget. The work is linear in
+the size of the document.
 
 The budget is counted with the embedding model's tokenizer, on the text that is actually embedded
 (the title/section prefix from `enrich.embed_prefix` included), so no chunk is ever truncated by the model.
@@ -139,19 +142,38 @@ class Chunker:
         return [p for piece in pieces for p in self._split_oversized(piece, budget)]
 
     def _split_oversized(self, draft: ChunkDraft, budget: int) -> list[ChunkDraft]:
-        """Last resort for one row or sentence longer than the whole budget: cut between words."""
+        """Last resort for one row or sentence longer than the whole budget."""
         if draft.token_count <= budget:
             return [draft]
-        words, out, current = draft.text.split(" "), [], []
-        for word in words:
-            candidate = " ".join(current + [word])
-            if current and self.counter.count([candidate])[0] > budget:
-                out.append(" ".join(current))
-                current = [word]
-            else:
-                current.append(word)
-        out.append(" ".join(current))
-        return [ChunkDraft(draft.kind, text, draft.section_path, draft.page_number, self.counter.count([text])[0]) for text in out]
+        return [ChunkDraft(draft.kind, text, draft.section_path, draft.page_number, tokens)
+                for text, tokens in self._hard_split(draft.text, budget)]
+
+    def _hard_split(self, text: str, budget: int) -> list[tuple[str, int]]:
+        """(piece, tokens) cut from text in one pass over its tokens: each piece takes as many tokens as fit, cut
+        back to the last space when one lies in its second half, else between tokens. A piece is tokenized again
+        on its own (its first word piece may change there), so it is checked and shrunk until it fits."""
+        ends = self.counter.token_ends(text)
+        pieces: list[tuple[str, int]] = []
+        start, first = 0, 0  # character offset and index of the first token not yet taken
+        while first < len(ends):
+            take = min(max(budget - 2, 1), len(ends) - first)
+            while True:
+                cut = ends[first + take - 1]
+                if first + take < len(ends):
+                    space = text.rfind(" ", start, cut)
+                    if space > start + (cut - start) // 2:
+                        cut = space
+                piece = text[start:cut].strip()
+                tokens = self.counter.count([piece])[0] if piece else 0
+                if tokens <= budget or take == 1:
+                    break
+                take = max(1, take * 9 // 10)
+            if piece:
+                pieces.append((piece, tokens))
+            start = cut
+            while first < len(ends) and ends[first] <= cut:
+                first += 1
+        return pieces
 
     def _text(self, blocks: list[Element], path: list[str], budget: int) -> list[ChunkDraft]:
         paragraphs = [b.text for b in blocks]
@@ -175,6 +197,9 @@ class Chunker:
         chunks: list[ChunkDraft] = []
         current: list[_Sentence] = []
         fresh = 0  # sentences in `current` that are not overlap from the previous chunk
+        paragraph_tokens: dict[int, int] = {}  # the tokens of each paragraph, summed once
+        for sentence in sentences:
+            paragraph_tokens[sentence.paragraph] = paragraph_tokens.get(sentence.paragraph, 0) + sentence.tokens + 1
         for index, sentence in enumerate(sentences):
             if current and fresh and _tokens(current) + sentence.tokens + 1 > budget:
                 chunks.append(self._draft(current, path))
@@ -187,8 +212,7 @@ class Chunker:
             # Prefer paragraph ends: close a well-filled chunk when the next paragraph would not fit whole.
             nxt = sentences[index + 1] if index + 1 < len(sentences) else None
             if nxt is not None and nxt.paragraph != sentence.paragraph and _tokens(current) >= budget // 2:
-                rest = sum(s.tokens + 1 for s in sentences[index + 1:] if s.paragraph == nxt.paragraph)
-                if _tokens(current) + rest > budget:
+                if _tokens(current) + paragraph_tokens[nxt.paragraph] > budget:
                     chunks.append(self._draft(current, path))
                     current, fresh = _overlap(current, budget), 0
         if fresh:

@@ -40,7 +40,21 @@ def _progress_factory(enabled: bool):
     return factory
 
 
-@click.group()
+class _Commands(click.Group):
+    def invoke(self, ctx: click.Context):
+        """A database that goes away mid-command is named as the cause (exit 1), not a traceback about a closed
+        connection."""
+        import psycopg
+
+        try:
+            return super().invoke(ctx)
+        except psycopg.OperationalError as exc:
+            from pipelines.database import describe_lost_connection
+
+            raise click.ClickException(describe_lost_connection(exc, load_settings())) from exc
+
+
+@click.group(cls=_Commands)
 def main() -> None:
     """kb: documents in, a retrieval-ready knowledge base out (PostgreSQL + pgvector)."""
 
@@ -65,8 +79,11 @@ def _usage_errors():
 @click.option("--exclude", multiple=True, help="Glob of files to skip in a new folder source (repeatable).")
 @click.option("--group", "groups", multiple=True,
               help="Only callers in this group may read a new source's documents (repeatable; default: everyone).")
+@click.option("--allow-deletions", is_flag=True,
+              help="Confirm that documents really are gone: soft-delete them even beyond the source's"
+                   " max_deletion_share (a crawl that would delete more deletes none without this).")
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable summary.")
-def ingest(paths, source_name, include, exclude, groups, as_json) -> None:
+def ingest(paths, source_name, include, exclude, groups, allow_deletions, as_json) -> None:
     """Ingest declared sources: all of them, the one named by --source, or the folders and JSONL files given.
 
     A PATH that is not a declared source yet is declared from this command (with its --include, --exclude and
@@ -98,7 +115,7 @@ def ingest(paths, source_name, include, exclude, groups, as_json) -> None:
                 raise click.UsageError("no source is declared: `kb ingest PATH`, `kb source add` or `kb source apply`")
         with source_locks(conn, source_ids):
             summary = run_ingest(conn, make_embedder(settings), settings, source_ids,
-                                 progress=_progress_factory(not as_json))
+                                 progress=_progress_factory(not as_json), allow_deletions=allow_deletions)
     data = summary.as_dict()
     lines = [f"{k.replace('_', ' ')}: {v}" for k, v in data.items() if k not in ("errors", "elapsed_s")]
     lines.append("elapsed: " + ", ".join(f"{k} {v:.2f}s" for k, v in data["elapsed_s"].items()))
@@ -340,6 +357,7 @@ def _source_line(s) -> str:
               f"freshness {s.freshness_hours:g} h" if s.freshness_hours else "",
               f"refresh '{s.refresh_cron}'" if s.refresh_cron else "",
               "follows links outside" if s.allow_outside_links else "",
+              f"may delete {s.max_deletion_share:.0%} per crawl" if s.max_deletion_share != 0.5 else "",
               f"declared in {s.declared_in}" if s.declared_in else ""]
     return (f"{s.source_id}: {s.kind} {s.location}; readable by {_readers(s.groups)}"
             + "".join(f"; {e}" for e in extras if e))
@@ -355,15 +373,18 @@ def _source_line(s) -> str:
 @click.option("--freshness-hours", type=float, help="Flag documents stale after this long without a crawl.")
 @click.option("--refresh-cron", help="When Dagster refreshes the source (cron; default KB_REFRESH_CRON).")
 @click.option("--allow-outside-links", is_flag=True, help="Follow symlinks that lead outside the folder.")
+@click.option("--max-deletion-share", type=float, default=0.5, show_default=True,
+              help="A crawl that would soft-delete more of the source's documents deletes none unless confirmed.")
 @click.option("--json", "as_json", is_flag=True)
-def source_add(name, path, include, exclude, groups, freshness_hours, refresh_cron, allow_outside_links, as_json):
+def source_add(name, path, include, exclude, groups, freshness_hours, refresh_cron, allow_outside_links,
+               max_deletion_share, as_json):
     """Declare source NAME at PATH (a folder, or a .jsonl file of records)."""
     from pipelines.database import connect
     from pipelines.sources import actor, add_source, declare
 
     with connect(load_settings()) as conn, _usage_errors():
         declared = declare(name, path, include, exclude, groups or None, freshness_hours, refresh_cron,
-                           allow_outside_links)
+                           allow_outside_links, max_deletion_share)
         written = add_source(conn, declared, actor("kb source add"))
         _sync_dagster(conn)
     _emit({**_source_dict(declared), "changed": written}, as_json,
@@ -418,9 +439,10 @@ def _changed_fields(before: dict, after: dict) -> str:
 @click.option("--freshness-hours", type=float)
 @click.option("--refresh-cron")
 @click.option("--allow-outside-links/--no-allow-outside-links", default=None)
+@click.option("--max-deletion-share", type=float)
 @click.option("--json", "as_json", is_flag=True)
 def source_update(name, location, include, exclude, clear_globs, groups, public, freshness_hours, refresh_cron,
-                  allow_outside_links, as_json):
+                  allow_outside_links, max_deletion_share, as_json):
     """Change a declared source. Only the options given change; the change is recorded."""
     from pipelines.database import connect
     from pipelines.sources import actor, update_source
@@ -428,7 +450,7 @@ def source_update(name, location, include, exclude, clear_globs, groups, public,
     if public and groups:
         raise click.UsageError("--public and --group contradict each other")
     changes = {"location": location, "freshness_hours": freshness_hours, "refresh_cron": refresh_cron,
-               "allow_outside_links": allow_outside_links}
+               "allow_outside_links": allow_outside_links, "max_deletion_share": max_deletion_share}
     changes = {k: v for k, v in changes.items() if v is not None}
     if clear_globs:
         changes["include"], changes["exclude"] = (), ()

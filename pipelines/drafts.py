@@ -13,7 +13,9 @@ from pipelines.chunking import CHUNKER_VERSION, Chunker
 from pipelines.elements import load_elements
 from pipelines.enrich import ENRICH_VERSION, embed_text, extract_entities
 from pipelines.hashing import hash_text
+from pipelines.failures import Failure, record_failure
 from pipelines.report import StageReport
+from pipelines.settings import Limits
 from pipelines.tokens import TokenCounter
 
 
@@ -27,7 +29,7 @@ def publish_key(content_hash: str) -> str:
 
 # Parsed documents whose live chunks are not from this content + chunker + enricher, and with no draft yet.
 TO_CHUNK = """
-SELECT d.document_id, d.content_hash, d.title
+SELECT d.document_id, d.content_hash, d.title, d.source_id, d.locator
 FROM documents d
 WHERE d.deleted_at IS NULL AND d.parsed_hash = d.content_hash
   AND d.published_key IS DISTINCT FROM d.content_hash || '/' || %(chunker)s || '/' || %(enricher)s
@@ -41,7 +43,9 @@ DRAFT_COLUMNS = ("document_id", "ordinal", "build_key", "kind", "text", "section
 
 
 def chunk_pending(conn: psycopg.Connection, counter: TokenCounter, source_ids: list[str] | None = None,
-                  batch_size: int = 256, progress=None) -> StageReport:
+                  batch_size: int = 256, progress=None, max_chunks: int = Limits.max_chunks_per_document) -> StageReport:
+    """Draft the chunks of every parsed document whose live chunks are not of its content and chunker. A document
+    with more than max_chunks chunks fails alone and keeps its last good version."""
     report = StageReport("chunk", ("documents", "chunks"))
     chunker = Chunker(counter)
     pending = conn.execute(TO_CHUNK, {"chunker": CHUNKER_VERSION, "enricher": ENRICH_VERSION, "ids": source_ids}).fetchall()
@@ -49,15 +53,23 @@ def chunk_pending(conn: psycopg.Connection, counter: TokenCounter, source_ids: l
         batch = pending[start:start + batch_size]
         ids = [row[0] for row in batch]
         elements = load_elements(conn, ids)
-        rows = []
-        for doc_id, content_hash, title in batch:
-            for ordinal, draft in enumerate(chunker.chunk(elements[doc_id], title)):
+        rows, too_long = [], []
+        for doc_id, content_hash, title, source_id, locator in batch:
+            drafts = chunker.chunk(elements[doc_id], title)
+            if len(drafts) > max_chunks:
+                too_long.append((Failure(source_id, locator, "chunk", f"{locator}: {len(drafts)} chunks, over the limit"
+                                         f" of {max_chunks} per document (KB_MAX_CHUNKS_PER_DOCUMENT)"), content_hash))
+                continue
+            for ordinal, draft in enumerate(drafts):
                 rows.append((doc_id, ordinal, build_key(content_hash), draft.kind, draft.text,
                              draft.section_path, draft.page_number, draft.token_count))
         with conn.transaction():
             conn.execute("DELETE FROM chunk_drafts WHERE document_id = ANY(%s)", (ids,))
             report.counts["chunks"] += bulk.copy_rows(conn, "chunk_drafts", DRAFT_COLUMNS, rows)
-        report.counts["documents"] += len(batch)
+            for failure, content_hash in too_long:
+                report.fail(failure)
+                record_failure(conn, failure, content_hash)
+        report.counts["documents"] += len(batch) - len(too_long)
         if progress:
             progress(len(batch))
     return report.finish()

@@ -24,6 +24,18 @@ class Element:
 TITLE_MAX_CHARS = 150  # titles are repeated in every chunk's embedded text: keep them short
 
 
+def without_nul(value):
+    """NUL characters removed from a string, or from every string inside a dict or list. PostgreSQL's text and
+    jsonb cannot hold them, and they are never meaningful text (binary junk, UTF-16 read as bytes)."""
+    if isinstance(value, str):
+        return value.replace("\x00", "")
+    if isinstance(value, dict):
+        return {without_nul(k): without_nul(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [without_nul(v) for v in value]
+    return value
+
+
 @dataclass
 class ParsedDocument:
     elements: list[Element]
@@ -31,8 +43,13 @@ class ParsedDocument:
     metadata: dict = field(default_factory=dict)
 
     def __post_init__(self):
+        for element in self.elements:
+            element.text = without_nul(element.text)
+            element.section_path = without_nul(element.section_path)
+            element.text_as_html = without_nul(element.text_as_html)
+        self.metadata = without_nul(self.metadata)
         if self.title:
-            self.title = " ".join(self.title.split())[:TITLE_MAX_CHARS]
+            self.title = " ".join(without_nul(self.title).split())[:TITLE_MAX_CHARS]
 
 
 ELEMENT_COLUMNS = ("document_id", "seq", "category", "text", "depth", "page_number", "section_path", "text_as_html")

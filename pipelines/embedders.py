@@ -32,7 +32,10 @@ class Embedder(Protocol):
 
 
 def _normalise(vectors: np.ndarray) -> np.ndarray:
+    """Unit length; an all-zero vector stays zero so that it is refused (pipelines/embedding.py), never stored."""
     vectors = np.asarray(vectors, dtype=np.float32)
+    if vectors.ndim != 2:
+        return vectors
     norms = np.linalg.norm(vectors, axis=1, keepdims=True)
     return vectors / np.where(norms == 0, 1, norms)
 
@@ -164,10 +167,11 @@ class OpenAIEmbedder:
         batches = [texts[i:i + self.batch_size] for i in range(0, len(texts), self.batch_size)]
         with ThreadPoolExecutor(max_workers=self.concurrency) as pool:
             results = list(pool.map(self._request, batches))
-        vectors = [v for batch in results for v in batch]
-        if len(vectors) != len(texts):
-            raise RuntimeError(f"embedding endpoint returned {len(vectors)} vectors for {len(texts)} inputs")
-        return _normalise(np.array(vectors))
+        vectors = [v for batch in results for v in batch]  # a short or ragged answer is refused by the embed stage
+        try:
+            return _normalise(np.array(vectors, dtype=np.float32))
+        except ValueError:  # rows of different lengths
+            return np.empty((0, 0), dtype=np.float32)
 
 
 def make_embedder(settings: Settings) -> Embedder:

@@ -1,7 +1,9 @@
 """The embed stage: vectors for every embedded text that the current model has not seen yet.
 
 Vectors are keyed by (model, hash of the embedded text): unchanged chunks, duplicate passages and restored
-documents reuse what is stored and never reach the model.
+documents reuse what is stored and never reach the model. Every vector is checked before it is stored (right
+dimension, finite, unit length: all-zero and NaN vectors are refused), so a model or endpoint that returns garbage
+fails the documents of that batch for this run, which keep their last good version, and nothing bad is cached.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from psycopg import sql
 
 from pipelines import bulk
 from pipelines.embedders import Embedder
+from pipelines.failures import Failure, record_failure
 from pipelines.report import StageReport
 from pipelines.vector_store import active_model, defer_index, ensure_index, ensure_vector_store
 
@@ -53,14 +56,52 @@ def embed_pending(conn: psycopg.Connection, embedder: Embedder, source_ids: list
         report.counts["index_deferred"] = int(defer_index(conn, table, missing))
     while rows := conn.execute(query, {**params, "after": after}).fetchall():
         hashes = [r[0] for r in rows]
-        store_vectors(conn, vectors, hashes, embedder.embed([r[1] for r in rows]))
-        report.counts["computed"] += len(rows)
+        computed = embedder.embed([r[1] for r in rows])
+        bad = invalid_vectors(computed, len(rows), embedder.dimensions)
+        if len(bad) < len(rows):
+            keep = [i for i in range(len(rows)) if i not in bad]
+            store_vectors(conn, vectors, [hashes[i] for i in keep], computed[keep])
+        _fail_documents(conn, embedder.model_key, {hashes[i]: why for i, why in bad.items()}, report)
+        report.counts["computed"] += len(rows) - len(bad)
         after = hashes[-1]
         if progress:
             progress(len(rows))
     if serving:
         ensure_index(conn, table)
     return report.finish()
+
+
+def invalid_vectors(vectors: np.ndarray, count: int, dimensions: int) -> dict[int, str]:
+    """{row: why} for the vectors that must not be stored: every row when the batch has the wrong shape, else each
+    row that is not finite or not of unit length (embedders return L2-normalised vectors; zero stays zero)."""
+    vectors = np.asarray(vectors)
+    if vectors.ndim != 2 or vectors.shape != (count, dimensions):
+        return {i: f"the model returned vectors of shape {vectors.shape} for {count} texts of {dimensions} dimensions"
+                for i in range(count)}
+    bad = {}
+    norms = np.linalg.norm(vectors, axis=1)
+    for i in range(count):
+        if not np.isfinite(vectors[i]).all():
+            bad[i] = "the model returned a vector with NaN or infinite values"
+        elif abs(norms[i] - 1) > 1e-3:
+            bad[i] = "the model returned an all-zero vector" if norms[i] == 0 else f"the model returned a vector of norm {norms[i]:.3g}"
+    return bad
+
+
+def _fail_documents(conn: psycopg.Connection, model_key: str, bad: dict[str, str], report: StageReport) -> None:
+    """The documents whose drafts need a refused vector fail for this run: they are not published (their last good
+    version stays) and are embedded again by the next run."""
+    if not bad:
+        return
+    rows = conn.execute("SELECT DISTINCT ON (d.document_id) d.source_id, d.locator, d.content_hash, c.text_hash"
+                        " FROM chunk_drafts c JOIN documents d USING (document_id) WHERE c.text_hash = ANY(%s)"
+                        " ORDER BY d.document_id", (list(bad),)).fetchall()
+    with conn.transaction():
+        for source_id, locator, content_hash, text_hash in rows:
+            failure = Failure(source_id, locator, "embed", f"{locator}: {bad[text_hash]} ({model_key}); not published,"
+                                                          " the next run embeds it again")
+            report.fail(failure)
+            record_failure(conn, failure, content_hash)
 
 
 def store_vectors(conn: psycopg.Connection, table: sql.Identifier, hashes: list[str], vectors: np.ndarray) -> int:

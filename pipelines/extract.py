@@ -2,6 +2,13 @@
 
 A file whose size and mtime match the stored row is not read again (the cheap stat check); any other file
 is hashed. JSONL records are small and already structured, so extraction also stores their elements.
+
+Nothing stored is lost to a bad day. Every problem with one file or record is a failure of that document
+alone, recorded under its identity and cleared once it is fixed; a document that fails keeps its last good
+version. A crawl that could not see part of its source (an unreadable folder, a missing root, a line with no
+readable `_id`) deletes nothing there, and a crawl that would soft-delete more than the source's
+`max_deletion_share` of its documents (an unmounted share, an emptied file) deletes nothing unless the run is
+confirmed with `allow_deletions`.
 """
 
 from __future__ import annotations
@@ -9,7 +16,9 @@ from __future__ import annotations
 import fnmatch
 import json
 import os
-from dataclasses import dataclass
+import re
+from collections import Counter
+from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Iterator
@@ -17,11 +26,12 @@ from typing import Iterator
 import psycopg
 
 from pipelines import bulk
-from pipelines.failures import Failure, clear_failures, record_failure
+from pipelines.elements import Element, ParsedDocument, without_nul, write_elements
+from pipelines.failures import Failure, record_failure
 from pipelines.formats import UnsupportedFormat, format_of
 from pipelines.hashing import hash_file, hash_text
 from pipelines.report import StageReport
-from pipelines.elements import Element, ParsedDocument, write_elements
+from pipelines.settings import Limits
 from pipelines.sources import Source, source_file
 
 STAGE = "extract"
@@ -35,7 +45,27 @@ class Found:
     mtime: datetime | None
     content_hash: str | None  # None: unchanged by the stat check, keep the stored hash
     record: dict | None = None
-    failed: bool = False
+    failed: bool = False  # a known document that could not be read: it keeps its last good version
+
+
+@dataclass
+class Crawl:
+    """What one crawl of a source saw, and what it could not see."""
+
+    source: Source
+    report: StageReport
+    limits: Limits
+    seen: set[str] = field(default_factory=set)
+    unseen: list[str] = field(default_factory=list)  # folder prefixes ("" = all) the crawl could not read
+    blind: bool = False  # some record could not be identified: the crawl cannot tell what is missing
+    failed: set[str] = field(default_factory=set)  # failure locators of this crawl
+
+    def fail(self, locator: str, reason: str) -> None:
+        self.failed.add(locator)
+        self.report.fail(Failure(self.source.source_id, locator, STAGE, reason))
+
+    def hidden(self, locator: str) -> bool:
+        return self.blind or any(locator.startswith(prefix) for prefix in self.unseen)
 
 
 def _selected(relpath: str, source: Source) -> bool:
@@ -47,60 +77,162 @@ def _selected(relpath: str, source: Source) -> bool:
 Known = dict[str, tuple[int, "datetime | None", str]]  # locator -> (size, mtime, content_hash)
 
 
-def walk_folder(source: Source, known: Known, report: StageReport) -> Iterator[Found]:
-    """Yield the folder's files in a stable order; hidden files and folders are skipped."""
+def _printable(name: str) -> str:
+    """A path os.walk decoded with surrogate escapes, as valid text (undecodable bytes shown as \\xNN)."""
+    return os.fsencode(name).decode("utf-8", "backslashreplace")
+
+
+def walk_folder(crawl: Crawl, known: Known) -> Iterator[Found]:
+    """Yield the folder's files in a stable order; hidden files and folders are skipped, symlinked folders are
+    not followed. A folder that cannot be listed is recorded, and nothing stored under it is deleted."""
+    source = crawl.source
     root = Path(source.location)
     if not root.is_dir():
-        raise FileNotFoundError(f"source {source.source_id!r}: folder {root} does not exist")
-    for dirpath, dirnames, filenames in os.walk(root):
+        raise FileNotFoundError(f"source {source.source_id!r}: folder {root} does not exist or is not mounted")
+
+    def unreadable(exc: OSError) -> None:
+        relpath = Path(exc.filename).relative_to(root).as_posix() if exc.filename else "."
+        prefix = "" if relpath == "." else _printable(relpath) + "/"
+        crawl.unseen.append(prefix)
+        crawl.fail(prefix or ".", f"cannot read folder {_printable(str(exc.filename))}: {exc.strerror};"
+                                  " documents stored under it are kept")
+
+    for dirpath, dirnames, filenames in os.walk(root, onerror=unreadable):
         dirnames[:] = sorted(d for d in dirnames if not d.startswith("."))
         for name in sorted(f for f in filenames if not f.startswith(".")):
             path = Path(dirpath) / name
             relpath = path.relative_to(root).as_posix()
             if not _selected(relpath, source):
                 continue
+            if _printable(relpath) != relpath:  # not valid UTF-8: it cannot be named, stored or searched
+                crawl.fail(_printable(relpath), f"{_printable(str(path))}: the file name is not valid UTF-8;"
+                                                " rename the file")
+                continue
             try:
-                found = _inspect_file(source_file(source.location, relpath, source.allow_outside_links), relpath,
-                                      known.get(relpath))
+                yield _inspect_file(source_file(source.location, relpath, source.allow_outside_links), relpath,
+                                    known.get(relpath), crawl.limits)
             except (OSError, UnsupportedFormat, ValueError) as exc:
                 reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
-                report.fail(Failure(source.source_id, relpath, STAGE, f"cannot read {path}: {reason}"
-                                    if isinstance(exc, OSError) else f"{path}: {reason}"))
+                crawl.fail(relpath, f"cannot read {path}: {reason}" if isinstance(exc, OSError) else f"{path}: {reason}")
                 yield Found(relpath, "", 0, None, None, failed=True)
-                continue
-            yield found
 
 
-def _inspect_file(path: Path, relpath: str, stored: tuple[int, datetime | None, str] | None) -> Found:
+def _inspect_file(path: Path, relpath: str, stored: tuple[int, datetime | None, str] | None, limits: Limits) -> Found:
     doc_format = format_of(path)
     stat = path.stat()
     mtime = datetime.fromtimestamp(stat.st_mtime, tz=timezone.utc)
     if stat.st_size == 0:
         raise ValueError("empty file (0 bytes)")
+    if stat.st_size > limits.max_file_mb * 1e6:
+        raise ValueError(f"the file is {stat.st_size / 1e6:.1f} MB, over the {limits.max_file_mb:g} MB limit"
+                         " (KB_MAX_FILE_MB)")
     if stored is not None and stored[:2] == (stat.st_size, mtime):
         return Found(relpath, doc_format, stat.st_size, mtime, None)
     digest, size = hash_file(str(path))
     return Found(relpath, doc_format, size, mtime, digest)
 
 
-def read_records(source: Source, report: StageReport) -> Iterator[Found]:
-    """Yield each JSONL record (`_id`, `title`, `text`); a bad line is a failure naming file and line."""
-    with open(source.location, encoding="utf-8") as handle:
-        for line_no, line in enumerate(handle, 1):
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-                if not isinstance(record, dict) or "_id" not in record:
-                    raise ValueError("record has no _id")
-                if not str(record.get("text", "")).strip() and not str(record.get("title", "")).strip():
-                    raise ValueError("record has no title and no text")
-            except ValueError as exc:
-                report.fail(Failure(source.source_id, f"line {line_no}", STAGE,
-                                    f"{source.location} line {line_no}: {exc}"))
-                continue
-            canonical = json.dumps(record, sort_keys=True, ensure_ascii=False)
-            yield Found(str(record["_id"]), "record", len(canonical.encode()), None, hash_text(canonical), record)
+_SALVAGE_ID = re.compile(rb'"_id"\s*:\s*(?:"((?:[^"\\]|\\.)*)"|(-?\d+))')
+
+
+def _lines(path: str) -> Iterator[tuple[int, bytes]]:
+    with open(path, "rb") as handle:
+        for line_no, raw in enumerate(handle, 1):
+            if raw.strip():
+                yield line_no, raw
+
+
+def _decode(raw: bytes) -> tuple[dict | None, str | None]:
+    """(record, None) or (None, why the line is not a record)."""
+    try:
+        record = json.loads(raw.decode("utf-8"))
+    except UnicodeDecodeError as exc:
+        return None, f"not valid UTF-8 ({exc.reason} at byte {exc.start})"
+    except ValueError as exc:
+        return None, f"not valid JSON ({exc})"
+    if not isinstance(record, dict):
+        return None, "not a JSON object"
+    if not isinstance(record.get("_id"), (str, int)) or isinstance(record.get("_id"), bool) or record["_id"] == "":
+        return None, "the record has no _id (a string or a number)"
+    return record, None
+
+
+def _identity(raw: bytes, record: dict | None) -> str | None:
+    """The record's _id as a locator: from the record, else salvaged from a line that is not valid JSON, so that
+    a broken line is a failure of that record (which keeps its last good version) and not of the whole file."""
+    if record is not None:
+        locator = str(record["_id"])
+    else:
+        match = _SALVAGE_ID.search(raw)
+        if match is None:
+            return None
+        try:
+            locator = json.loads(b'"' + match.group(1) + b'"') if match.group(1) is not None else match.group(2).decode()
+        except (ValueError, UnicodeDecodeError):
+            return None
+    return locator if _is_text(locator) and "\x00" not in locator else None
+
+
+def _is_text(value: str) -> bool:
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def _record_problem(record: dict, limits: Limits) -> str | None:
+    title, text = record.get("title"), record.get("text", "")
+    if title is not None and not isinstance(title, str):
+        return "title must be a string"
+    if text is None:
+        return "text is null"
+    if not isinstance(text, str):
+        return "text must be a string"
+    if not (title or "").strip() and not text.strip():
+        return "the record has no title and no text"
+    canonical = json.dumps(record, sort_keys=True, ensure_ascii=False)
+    if not _is_text(canonical):
+        return "it contains an unpaired surrogate (\\ud800-\\udfff), which is not valid Unicode"
+    if len(canonical.encode()) > limits.max_file_mb * 1e6:
+        return f"the record is over the {limits.max_file_mb:g} MB limit (KB_MAX_FILE_MB)"
+    return None
+
+
+def read_records(crawl: Crawl) -> Iterator[Found]:
+    """Yield each JSONL record (`_id`, `title`, `text`, other fields as metadata). A bad record is a failure under
+    its _id; a line whose _id cannot be read is a failure under "line N" and blinds the crawl (nothing deleted).
+    An _id on several lines is an error for that _id: every copy is rejected and its last good version stays."""
+    location = crawl.source.location
+    copies: Counter[str] = Counter()
+    for _, raw in _lines(location):  # first pass: which _ids repeat
+        record, _ = _decode(raw)
+        if (locator := _identity(raw, record)) is not None:
+            copies[locator] += 1
+    lines_of: dict[str, list[int]] = {}
+    for line_no, raw in _lines(location):
+        record, problem = _decode(raw)
+        locator = _identity(raw, record)
+        if locator is None:
+            crawl.blind = True
+            crawl.fail(f"line {line_no}", f"{location} line {line_no}: {problem}; no record is deleted while a"
+                                          " line cannot be read")
+            continue
+        lines_of.setdefault(locator, []).append(line_no)
+        if copies[locator] > 1:
+            if len(lines_of[locator]) == copies[locator]:
+                crawl.fail(locator, f"{location}: _id {locator!r} is on lines {', '.join(map(str, lines_of[locator]))};"
+                                    " every copy is rejected and its last good version kept")
+                yield Found(locator, "record", 0, None, None, failed=True)
+            continue
+        problem = problem or _record_problem(record, crawl.limits)
+        if problem:
+            crawl.fail(locator, f"{location} line {line_no} (_id {locator!r}): {problem}")
+            yield Found(locator, "record", 0, None, None, failed=True)
+            continue
+        record = without_nul(record)
+        canonical = json.dumps(record, sort_keys=True, ensure_ascii=False)
+        yield Found(locator, "record", len(canonical.encode()), None, hash_text(canonical), record)
 
 
 def record_elements(record: dict) -> ParsedDocument:
@@ -140,57 +272,93 @@ FOUND_COLUMNS = ("locator", "doc_format", "size_bytes", "mtime", "content_hash",
 FOUND_SHAPE = "locator text, doc_format text, size_bytes bigint, mtime timestamptz, content_hash text, title text"
 
 
-def _write_batch(conn: psycopg.Connection, source: Source, batch: list[Found], known: Known, report: StageReport) -> None:
-    readable = [f for f in batch if not f.failed]
-    for f in readable:
-        stored = known.get(f.locator)
-        kind = "new" if stored is None else "unchanged" if f.content_hash in (None, stored[2]) else "changed"
-        report.counts[kind] += 1
-    changed = [f for f in readable if f.content_hash is not None]
+def _merge(conn: psycopg.Connection, source_id: str, changed: list[Found]) -> None:
     bulk.stage_rows(conn, "kb_found", FOUND_SHAPE, FOUND_COLUMNS, (
         (f.locator, f.doc_format, f.size, f.mtime, f.content_hash, (f.record or {}).get("title") or None)
         for f in changed))
-    rows = conn.execute(MERGE_DOCUMENTS, {"source_id": source.source_id}).fetchall()
+    rows = conn.execute(MERGE_DOCUMENTS, {"source_id": source_id}).fetchall()
     by_locator = {f.locator: f for f in changed}
     records = [(doc_id, by_locator[locator]) for doc_id, locator in rows if by_locator[locator].record is not None]
     if records:
         write_elements(conn, [(doc_id, f.content_hash, record_elements(f.record)) for doc_id, f in records])
-    clear_failures(conn, source.source_id, [f.locator for f in readable], STAGE)
 
 
-def crawl_source(conn: psycopg.Connection, source: Source, report: StageReport, batch_size: int = 500) -> None:
+def _write_batch(conn: psycopg.Connection, crawl: Crawl, batch: list[Found], known: Known) -> None:
+    """Upsert a batch of found documents (and the elements of changed records). A document the database refuses
+    fails alone: the batch is retried one document at a time."""
+    changed = [f for f in batch if not f.failed and f.content_hash is not None]
+    try:
+        with conn.transaction():
+            _merge(conn, crawl.source.source_id, changed)
+    except psycopg.DataError:
+        for found in changed:
+            try:
+                with conn.transaction():
+                    _merge(conn, crawl.source.source_id, [found])
+            except psycopg.DataError as exc:
+                crawl.fail(found.locator, f"{crawl.source.location}: {found.locator}: cannot be stored: {exc}")
+                batch = [Found(found.locator, found.doc_format, 0, None, None, failed=True) if f is found else f
+                         for f in batch]
+    for f in batch:
+        if not f.failed:
+            stored = known.get(f.locator)
+            kind = "new" if stored is None else "unchanged" if f.content_hash in (None, stored[2]) else "changed"
+            crawl.report.counts[kind] += 1
+
+
+def _deletions(crawl: Crawl, known: Known, allow_deletions: bool) -> list[str]:
+    """The live documents this crawl found missing, or none when it could not see them or when they are more
+    than the source lets one crawl delete without confirmation."""
+    missing = sorted(loc for loc in known if loc not in crawl.seen and not crawl.hidden(loc))
+    share = len(missing) / len(known) if known else 0.0
+    if missing and share > crawl.source.max_deletion_share and not allow_deletions:
+        crawl.fail(crawl.source.location,
+                   f"source {crawl.source.source_id!r}: this crawl would soft-delete {len(missing)} of {len(known)}"
+                   f" live documents ({share:.0%}, more than the {crawl.source.max_deletion_share:.0%} allowed), so"
+                   f" it deleted none. Is {crawl.source.location} unmounted or truncated? If the documents really are"
+                   f" gone, run `kb ingest --source {crawl.source.source_id} --allow-deletions`")
+        return []
+    return missing
+
+
+def crawl_source(conn: psycopg.Connection, source: Source, report: StageReport, limits: Limits,
+                 allow_deletions: bool = False, batch_size: int = 500) -> None:
     """Crawl one source: upsert what changed, soft-delete what disappeared, all in one transaction."""
+    crawl = Crawl(source, report, limits)
     with conn.transaction():
         known = _known_documents(conn, source.source_id)
-        found = walk_folder(source, known, report) if source.kind == "folder" else read_records(source, report)
-        seen: list[str] = []
+        found = walk_folder(crawl, known) if source.kind == "folder" else read_records(crawl)
         batch: list[Found] = []
-        failures_before = len(report.failures)
         for item in found:
-            seen.append(item.locator)
+            crawl.seen.add(item.locator)
             report.counts["seen"] += 1
             batch.append(item)
             if len(batch) >= batch_size:
-                _write_batch(conn, source, batch, known, report)
+                _write_batch(conn, crawl, batch, known)
                 batch = []
         if batch:
-            _write_batch(conn, source, batch, known, report)
-        for failure in report.failures[failures_before:]:
+            _write_batch(conn, crawl, batch, known)
+        gone = _deletions(crawl, known, allow_deletions)
+        report.counts["deleted"] += conn.execute("SELECT kb_soft_delete_documents(%s, %s)",
+                                                 (source.source_id, gone)).fetchone()[0]
+        for failure in (f for f in report.failures if f.source_id == source.source_id):
             record_failure(conn, failure, None)
-        deleted = conn.execute(
-            "SELECT kb_soft_delete_missing(%s, %s)", (source.source_id, seen)
-        ).fetchone()[0]
-        report.counts["deleted"] += deleted
+        # A crawl failure that did not happen again is fixed (a record's line repaired, a file removed).
+        conn.execute("DELETE FROM failures WHERE source_id = %s AND stage = %s AND NOT locator = ANY(%s)"
+                     " AND NOT locator ^@ ANY(%s)", (source.source_id, STAGE, sorted(crawl.failed), crawl.unseen))
         conn.execute("UPDATE sources SET last_crawled_at = now() WHERE source_id = %s", (source.source_id,))
         conn.execute("UPDATE documents SET stale_since = NULL WHERE source_id = %s AND stale_since IS NOT NULL",
                      (source.source_id,))
 
 
-def extract(conn: psycopg.Connection, sources: list[Source]) -> StageReport:
+def extract(conn: psycopg.Connection, sources: list[Source], limits: Limits = Limits(),
+            allow_deletions: bool = False) -> StageReport:
     report = StageReport(STAGE, ("seen", "new", "changed", "unchanged", "deleted"))
     for source in sources:
         try:
-            crawl_source(conn, source, report)
-        except (OSError, ValueError) as exc:
-            report.fail(Failure(source.source_id, source.location, STAGE, f"cannot crawl source: {exc}"))
+            crawl_source(conn, source, report, limits, allow_deletions)
+        except OSError as exc:  # the source itself is out of reach: nothing changed, nothing deleted
+            failure = Failure(source.source_id, source.location, STAGE, f"cannot crawl source: {exc}")
+            report.fail(failure)
+            record_failure(conn, failure, None)
     return report.finish()

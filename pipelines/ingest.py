@@ -88,14 +88,15 @@ class IngestRun:
     """One run of the stages over some sources, recorded in `ingest_runs`."""
 
     def __init__(self, conn: psycopg.Connection, settings: Settings, embedder: Embedder, source_ids: list[str],
-                 run_id: int, progress: ProgressFactory = _no_progress):
+                 run_id: int, progress: ProgressFactory = _no_progress, allow_deletions: bool = False):
         self.conn, self.settings, self.embedder = conn, settings, embedder
         self.source_ids, self.run_id, self.progress = source_ids, run_id, progress
+        self.allow_deletions = allow_deletions  # confirmed: a crawl may delete more than max_deletion_share
 
     @classmethod
     def start(cls, conn: psycopg.Connection, settings: Settings, embedder: Embedder,
               source_ids: list[str] | None = None, started_by: str = "cli", external_run_id: str | None = None,
-              progress: ProgressFactory = _no_progress) -> "IngestRun":
+              progress: ProgressFactory = _no_progress, allow_deletions: bool = False) -> "IngestRun":
         """A new run, or the run already recorded for an orchestrator's run id (one row per Dagster run)."""
         ids = source_ids or [s.source_id for s in load_sources(conn)]
         run_id = conn.execute(
@@ -103,7 +104,7 @@ class IngestRun:
             " ON CONFLICT (external_run_id) DO UPDATE SET sources = ("
             "   SELECT array_agg(DISTINCT s) FROM unnest(ingest_runs.sources || excluded.sources) s)"
             " RETURNING run_id", (ids, started_by, external_run_id)).fetchone()[0]
-        return cls(conn, settings, embedder, ids, run_id, progress)
+        return cls(conn, settings, embedder, ids, run_id, progress, allow_deletions)
 
     def run_stage(self, stage: str) -> StageReport:
         """Run one stage and record its report; the last stage also finishes the run."""
@@ -134,14 +135,15 @@ class IngestRun:
         return all(stage in stored for stage in STAGES)
 
     def _extract(self) -> StageReport:
-        return extract(self.conn, load_sources(self.conn, self.source_ids))
+        return extract(self.conn, load_sources(self.conn, self.source_ids), self.settings.limits, self.allow_deletions)
 
     def _parse(self) -> StageReport:
         return parse_pending(self.conn, self.source_ids, progress_for=lambda total: self.progress("parse", total),
-                             workers=self.settings.parse_workers)
+                             workers=self.settings.parse_workers, limits=self.settings.limits)
 
     def _chunk(self) -> StageReport:
-        return chunk_pending(self.conn, self.embedder.counter, self.source_ids)
+        return chunk_pending(self.conn, self.embedder.counter, self.source_ids,
+                             max_chunks=self.settings.limits.max_chunks_per_document)
 
     def _enrich(self) -> StageReport:
         return enrich_pending(self.conn, self.embedder.counter, self.source_ids)
@@ -154,6 +156,7 @@ class IngestRun:
 
 
 def ingest(conn: psycopg.Connection, embedder: Embedder, settings: Settings, source_ids: list[str] | None = None,
-           progress: ProgressFactory = _no_progress) -> IngestSummary:
+           progress: ProgressFactory = _no_progress, allow_deletions: bool = False) -> IngestSummary:
     """Run every stage over the given sources (all declared sources when None), as `kb ingest` does."""
-    return IngestRun.start(conn, settings, embedder, source_ids, progress=progress).run_all()
+    return IngestRun.start(conn, settings, embedder, source_ids, progress=progress,
+                           allow_deletions=allow_deletions).run_all()

@@ -20,5 +20,6 @@ def source_locks(conn: psycopg.Connection, source_ids: list[str]) -> Iterator[No
             held.append(source_id)
         yield
     finally:
-        for source_id in reversed(held):
-            conn.execute("SELECT pg_advisory_unlock(%s, hashtext(%s))", (_NAMESPACE, source_id))
+        if not (conn.closed or conn.broken):  # a lost connection took its session locks with it; do not hide why
+            for source_id in reversed(held):
+                conn.execute("SELECT pg_advisory_unlock(%s, hashtext(%s))", (_NAMESPACE, source_id))

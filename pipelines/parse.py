@@ -1,32 +1,33 @@
 """Parsing: `unstructured` partitions each changed file into elements with category, page and section path.
 
 unstructured is imported lazily (it pulls spaCy and friends); `offline_spacy()` points its sentence model at
-the pip-installed copy so that parsing never tries to download one at run time.
+the pip-installed copy so that parsing never tries to download one at run time. Files are parsed in worker
+processes (pipelines/workers.py) under a time and a memory limit, after a check of what a zip-based office file
+expands to, so that one hostile file costs that file and never the run.
 """
 
 from __future__ import annotations
 
 import importlib
 import os
-from contextlib import contextmanager
+import zipfile
 from functools import lru_cache
 from pathlib import Path
-from typing import Callable, Iterator
 
 import psycopg
 
-from pipelines.elements import Element, ParsedDocument, write_elements
+from pipelines.elements import Element, ParsedDocument, without_nul, write_elements
 from pipelines.failures import Failure, clear_failures, record_failure
 from pipelines.file_metadata import file_metadata
 from pipelines.report import StageReport
+from pipelines.settings import Limits
 from pipelines.sources import OutsideSource, source_file
+from pipelines.workers import Lost, isolated_map
 
 STAGE = "parse"
 # Page furniture and empty shells carry no retrievable text.
 SKIPPED_CATEGORIES = {"PageBreak", "Image", "Header", "Footer", "PageNumber", "Formula"}
-
-
-POOL_MIN_DOCUMENTS_PER_WORKER = 16  # below this a worker's start-up costs more than it saves
+ZIP_FORMATS = {"docx", "pptx", "xlsx"}  # Office Open XML: a zip archive a small file can expand from
 
 
 class ParseError(ValueError):
@@ -76,7 +77,7 @@ def to_elements(raw: list) -> list[Element]:
     elements: list[Element] = []
     headings: list[tuple[int, str]] = []  # (depth, text), outermost first
     for item in raw:
-        text = (item.text or "").strip()
+        text = without_nul(item.text or "").strip()
         if not text or item.category in SKIPPED_CATEGORIES:
             continue
         meta = item.metadata
@@ -95,8 +96,24 @@ def to_elements(raw: list) -> list[Element]:
     return elements
 
 
-def parse_file(path: str, doc_format: str) -> ParsedDocument:
+def check_expansion(path: str, doc_format: str, limit_mb: float) -> None:
+    """Refuse an office file whose archive expands past the limit, before any parser inflates it (zip bombs).
+    The sizes come from the archive's directory, and zipfile never inflates a member past its declared size."""
+    if doc_format not in ZIP_FORMATS:
+        return
+    try:
+        with zipfile.ZipFile(path) as archive:
+            expanded = sum(member.file_size for member in archive.infolist())
+    except (zipfile.BadZipFile, OSError) as exc:
+        raise ParseError(f"cannot parse as {doc_format}: not a valid {doc_format} (zip) file: {exc}") from exc
+    if expanded > limit_mb * 1e6:
+        raise ParseError(f"the {doc_format} file expands to {expanded / 1e6:.0f} MB, over the {limit_mb:g} MB limit"
+                         " (KB_MAX_UNZIPPED_MB)")
+
+
+def parse_file(path: str, doc_format: str, limits: Limits = Limits()) -> ParsedDocument:
     """Parse one file; raises ParseError with the reason when it yields no text."""
+    check_expansion(path, doc_format, limits.max_unzipped_mb)
     try:
         raw = _partition(path, doc_format)
     except ParseError:
@@ -122,62 +139,68 @@ ORDER BY d.document_id
 """
 
 
-def _parse_task(task: tuple[str, str, bool, str]) -> ParsedDocument | str:
+def _parse_task(task: tuple[str, str, bool, str, Limits]) -> ParsedDocument | str:
     """A worker's unit of work: the parsed document, or the reason it failed (exceptions stay in the worker)."""
-    location, locator, allow_outside_links, doc_format = task
+    location, locator, allow_outside_links, doc_format, limits = task
     try:
-        return parse_file(str(source_file(location, locator, allow_outside_links)), doc_format)
+        return parse_file(str(source_file(location, locator, allow_outside_links)), doc_format, limits)
     except (ParseError, OutsideSource, OSError) as exc:
         return str(exc)
-
-
-@contextmanager
-def parse_workers(workers: int, documents: int) -> Iterator[Callable]:
-    """A `map` over parse tasks: in this process for one worker or a handful of documents, else a process pool.
-
-    Parsing is CPU-bound Python (the GIL rules out threads), so each core needs its own process. Workers are
-    spawned, not forked: the parent holds a database connection and library threads that a fork would copy.
-    Each worker imports unstructured once (a few seconds), which is why small runs stay in process.
-    """
-    if workers <= 1 or documents < POOL_MIN_DOCUMENTS_PER_WORKER * workers:
-        yield map
-        return
-    import multiprocessing
-    from concurrent.futures import ProcessPoolExecutor
-
-    with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")) as pool:
-        yield lambda fn, tasks: pool.map(fn, tasks, chunksize=1)
+    except Exception as exc:  # a parser bug must cost this file only
+        return f"cannot parse as {doc_format}: {type(exc).__name__}: {exc}"
 
 
 def parse_pending(conn: psycopg.Connection, source_ids: list[str] | None = None, batch_size: int = 16,
-                  progress_for=None, workers: int = 1) -> StageReport:
-    """Parse every document whose bytes changed since they were last parsed, a batch per transaction, with
-    `workers` processes. progress_for(total) returns the callback advanced once per document."""
+                  progress_for=None, workers: int = 1, limits: Limits = Limits()) -> StageReport:
+    """Parse every document whose bytes changed since they were last parsed, in `workers` worker processes, a
+    batch per transaction. progress_for(total) returns the callback advanced once per document."""
     report = StageReport(STAGE, ("parsed", "elements"))
     pending = conn.execute(PENDING, {"ids": source_ids}).fetchall()
     progress = progress_for(len(pending)) if progress_for else None
-    with parse_workers(workers, len(pending)) as run:
-        for start in range(0, len(pending), batch_size):
-            batch = pending[start:start + batch_size]
-            paths = [str(Path(location) / locator) for _, locator, _, _, location, _, _ in batch]
-            results = run(_parse_task, [(location, locator, allow, doc_format)
-                                        for _, locator, doc_format, _, location, _, allow in batch])
-            parsed, ok_by_source = [], {}
-            for (doc_id, locator, _, content_hash, _, source_id, _), path, result in zip(batch, paths, results):
-                if isinstance(result, str):
-                    failure = Failure(source_id, locator, STAGE, f"{path}: {result}")
-                    report.fail(failure)
-                    with conn.transaction():
-                        record_failure(conn, failure, content_hash)
-                else:
-                    parsed.append((doc_id, content_hash, result))
-                    ok_by_source.setdefault(source_id, []).append(locator)
-                if progress:
-                    progress(1)
+    for start in range(0, len(pending), batch_size):
+        batch = pending[start:start + batch_size]
+        tasks = [(location, locator, allow, doc_format, limits)
+                 for _, locator, doc_format, _, location, _, allow in batch]
+        parsed, failed = [], []
+        results = isolated_map(_parse_task, tasks, workers, limits.parse_timeout_s, limits.parse_memory_mb)
+        for (doc_id, locator, _, content_hash, location, source_id, _), result in zip(batch, results):
+            if isinstance(result, ParsedDocument):
+                parsed.append((doc_id, content_hash, result, source_id, locator))
+            else:
+                reason = result.reason if isinstance(result, Lost) else result
+                failed.append((Failure(source_id, locator, STAGE, f"{Path(location) / locator}: {reason}"), content_hash))
+            if progress:
+                progress(1)
+        failed += _store(conn, parsed, report)
+        for failure, content_hash in failed:
+            report.fail(failure)
             with conn.transaction():
-                if parsed:
-                    report.counts["elements"] += write_elements(conn, parsed)
-                for source_id, locators in ok_by_source.items():
-                    clear_failures(conn, source_id, locators, STAGE)
-            report.counts["parsed"] += len(parsed)
+                record_failure(conn, failure, content_hash)
     return report.finish()
+
+
+def _store(conn: psycopg.Connection, parsed: list[tuple], report: StageReport) -> list[tuple[Failure, str]]:
+    """Write parsed documents in one transaction and clear their failures. A document the database refuses (text
+    it cannot hold) fails alone: the batch is retried one document at a time. Returns those failures."""
+    def write(documents: list[tuple]) -> None:
+        with conn.transaction():
+            report.counts["elements"] += write_elements(conn, [(doc_id, h, doc) for doc_id, h, doc, _, _ in documents])
+            for source_id in {d[3] for d in documents}:
+                clear_failures(conn, source_id, [d[4] for d in documents if d[3] == source_id], STAGE)
+        report.counts["parsed"] += len(documents)
+
+    if not parsed:
+        return []
+    try:
+        write(parsed)
+        return []
+    except psycopg.DataError:
+        failures = []
+        for document in parsed:
+            try:
+                write([document])
+            except psycopg.DataError as exc:
+                doc_id, content_hash, _, source_id, locator = document
+                failures.append((Failure(source_id, locator, STAGE, f"{locator}: its text cannot be stored: {exc}"),
+                                 content_hash))
+        return failures

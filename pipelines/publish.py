@@ -109,6 +109,9 @@ def publish_batch(conn: psycopg.Connection, batch: list[tuple[int, str]], report
             [list(column) for column in zip(*versions)],
         )
         conn.execute("DELETE FROM chunk_drafts WHERE document_id = ANY(%s)", (ids,))
+        # A document that publishes was chunked and embedded: its failures at those stages are fixed.
+        conn.execute("DELETE FROM failures f USING documents d WHERE d.document_id = ANY(%s) AND f.source_id = d.source_id"
+                     " AND f.locator = d.locator AND f.stage IN ('chunk', 'embed')", (ids,))
     report.counts["documents"] += len(batch)
     report.counts["chunks_inserted"] += len(inserts)
     report.counts["chunks_updated"] += len(kept)

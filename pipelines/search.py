@@ -132,6 +132,20 @@ class Hit:
         return data
 
 
+class QueryEmbeddingError(RuntimeError):
+    pass
+
+
+def embed_query(embedder: Embedder, query: str) -> np.ndarray:
+    """The query's vector, refused (not searched with) when the model returns garbage: NaN scores rank nothing."""
+    from pipelines.embedding import invalid_vectors
+
+    vectors = embedder.embed([query])
+    if problem := invalid_vectors(vectors, 1, embedder.dimensions).get(0):
+        raise QueryEmbeddingError(f"cannot search: {problem} for the query ({embedder.model_key})")
+    return vectors[0]
+
+
 def _prepare(conn: psycopg.Connection, candidates: int) -> None:
     """The session's HNSW settings for this search, in one round trip."""
     ef_search = min(max(EF_SEARCH, 2 * candidates), 1000)
@@ -155,7 +169,7 @@ def search(conn: psycopg.Connection, embedder: Embedder, query: str, k: int = 5,
     if not visible:
         return []
     if vector is None:
-        vector = embedder.embed([query])[0] if arm != "lexical" else np.zeros(embedder.dimensions, dtype=np.float32)
+        vector = embed_query(embedder, query) if arm != "lexical" else np.zeros(embedder.dimensions, dtype=np.float32)
     predicate, params = filters.predicate()
     statement = sql.SQL(HYBRID).format(vectors=vector_table(conn, model_key or embedder.model_key), filters=predicate)
     _prepare(conn, n)

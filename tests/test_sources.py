@@ -35,7 +35,8 @@ def test_cli_declarations_are_audited_and_remove_soft_deletes(settings, samples_
     assert kb_json("source", "list") == [{"source_id": "handbook", "kind": "folder", "location": str(samples_copy),
                                           "include": ["handbook/*"], "exclude": [], "groups": ["hr"],
                                           "freshness_hours": None, "refresh_cron": None,
-                                          "allow_outside_links": False, "declared_in": None}]
+                                          "allow_outside_links": False, "max_deletion_share": 0.5,
+                                          "declared_in": None}]
     kb("ingest", "--source", "handbook")
     kb("source", "update", "handbook", "--group", "hr", "--group", "legal", "--freshness-hours", "12")
     bad_cron = kb("source", "update", "handbook", "--refresh-cron", "every morning", expect=2)
