@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 
 from bench.report import print_table, write_results
-from pipelines.parse import _parse_task, parse_file
+from pipelines.parse import _parse_task, parse_file, warm_worker
 from pipelines.settings import Limits
 from pipelines.workers import _stop_pool, isolated_map
 
@@ -97,7 +97,7 @@ def main() -> None:
         for workers in (1, args.workers):
             _stop_pool()  # each measurement starts its own workers
             started = time.perf_counter()
-            failures = [r for r in isolated_map(_parse_task, everything, workers, 600, 4000) if isinstance(r, str)]
+            failures = [r for r in isolated_map(_parse_task, everything, workers, 600, 4000, warm_worker) if isinstance(r, str)]
             pool[workers] = time.perf_counter() - started
             assert not failures, failures[:3]
     result = {"per_format": rows, "mixed_documents": len(everything), "workers": args.workers,

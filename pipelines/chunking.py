@@ -19,11 +19,11 @@ from html.parser import HTMLParser
 from itertools import groupby
 
 from pipelines.elements import Element
-from pipelines.enrich import PREFIX_MAX_TOKENS, embed_prefix
+from pipelines.enrich import PREFIX_MAX_TOKENS, context_title, embed_prefix
 from pipelines.sentences import split_sentences
 from pipelines.tokens import TokenCounter
 
-CHUNKER_VERSION = "chunker-1"
+CHUNKER_VERSION = "chunker-2"  # 2: oversized text cut between tokens, titles bounded (context_title)
 OVERLAP_MAX_SENTENCES = 2
 OVERLAP_MAX_FRACTION = 0.25  # overlap never takes more than this share of a chunk's budget
 
@@ -112,6 +112,7 @@ class Chunker:
         return self.counter.max_tokens - prefix_tokens - 2
 
     def chunk(self, elements: list[Element], title: str | None) -> list[ChunkDraft]:
+        title = context_title(self.counter, title)
         chunks: list[ChunkDraft] = []
         for section in _sections(elements):
             path = _fit_path(self, title, section.path)
@@ -158,11 +159,13 @@ class Chunker:
         while first < len(ends):
             take = min(max(budget - 2, 1), len(ends) - first)
             while True:
-                cut = ends[first + take - 1]
                 if first + take < len(ends):
+                    cut = ends[first + take - 1]
                     space = text.rfind(" ", start, cut)
                     if space > start + (cut - start) // 2:
                         cut = space
+                else:  # the last piece takes the rest, characters the tokenizer skips included
+                    cut = len(text)
                 piece = text[start:cut].strip()
                 tokens = self.counter.count([piece])[0] if piece else 0
                 if tokens <= budget or take == 1:

@@ -11,7 +11,7 @@ from psycopg.types.json import Jsonb
 from pipelines import bulk
 from pipelines.chunking import CHUNKER_VERSION, Chunker
 from pipelines.elements import load_elements
-from pipelines.enrich import ENRICH_VERSION, embed_text, extract_entities
+from pipelines.enrich import ENRICH_VERSION, context_title, embed_text, extract_entities
 from pipelines.hashing import hash_text
 from pipelines.failures import Failure, record_failure
 from pipelines.report import StageReport
@@ -96,7 +96,7 @@ def enrich_pending(conn: psycopg.Connection, counter: TokenCounter, source_ids: 
     after = (0, 0)  # keyset pagination: drafts stream in batches, never all in memory
     params = {"enricher": ENRICH_VERSION, "ids": source_ids, "limit": batch_size}
     while rows := conn.execute(TO_ENRICH, {**params, "after_doc": after[0], "after_ordinal": after[1]}).fetchall():
-        texts = [embed_text(title, path, text) for _, _, title, path, text in rows]
+        texts = [embed_text(context_title(counter, title), path, text) for _, _, title, path, text in rows]
         enriched = [(doc_id, ordinal, full, hash_text(full), Jsonb(extract_entities(full)), tokens)
                     for (doc_id, ordinal, *_), full, tokens in zip(rows, texts, counter.count(texts))]
         with conn.transaction():

@@ -8,8 +8,10 @@ from __future__ import annotations
 import re
 from datetime import datetime
 
-ENRICH_VERSION = "enrich-1"
-PREFIX_MAX_TOKENS = 48  # a long heading trail must not eat the chunk's own budget
+from pipelines.tokens import TokenCounter
+
+ENRICH_VERSION = "enrich-2"  # 2: titles longer than PREFIX_MAX_TOKENS are cut to it in the embedded prefix
+PREFIX_MAX_TOKENS = 48  # a long title or heading trail must not eat the chunk's own budget
 
 # Codes and identifiers: HR-2024-047, AVX-039, SKU-88412-B, 42P07, INC0012345. A code holds a digit and an
 # upper-case letter, or is upper-case letters and digits joined by hyphens.
@@ -32,6 +34,15 @@ def embed_prefix(title: str | None, section_path: list[str]) -> str:
 
 def embed_text(title: str | None, section_path: list[str], text: str) -> str:
     return embed_prefix(title, section_path) + text
+
+
+def context_title(counter: TokenCounter, title: str | None) -> str | None:
+    """The document title as prepended to its chunks: at most PREFIX_MAX_TOKENS of the model's tokens, so that
+    every chunk keeps most of its budget for its own text. The chunker and the enricher both use this."""
+    if not title:
+        return title
+    ends = counter.token_ends(title)
+    return title if len(ends) <= PREFIX_MAX_TOKENS else title[:ends[PREFIX_MAX_TOKENS - 1]].rstrip()
 
 
 def _valid_date(year: str, month: int, day: str) -> str | None:

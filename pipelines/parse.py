@@ -28,6 +28,8 @@ STAGE = "parse"
 # Page furniture and empty shells carry no retrievable text.
 SKIPPED_CATEGORIES = {"PageBreak", "Image", "Header", "Footer", "PageNumber", "Formula"}
 ZIP_FORMATS = {"docx", "pptx", "xlsx"}  # Office Open XML: a zip archive a small file can expand from
+TEXT_FORMATS = {"txt", "md", "csv", "html", "eml"}
+BINARY_NUL_SHARE = 0.1  # text with more NUL bytes than this is binary (or UTF-16), not the UTF-8 kb reads
 
 
 class ParseError(ValueError):
@@ -111,9 +113,22 @@ def check_expansion(path: str, doc_format: str, limit_mb: float) -> None:
                          " (KB_MAX_UNZIPPED_MB)")
 
 
+def check_text(path: str, doc_format: str) -> None:
+    """Refuse a text file that is binary: a few stray NUL bytes are dropped from the text, many mean it is not text."""
+    if doc_format not in TEXT_FORMATS:
+        return
+    with open(path, "rb") as handle:
+        head = handle.read(1 << 16)
+    share = head.count(0) / max(len(head), 1)
+    if share > BINARY_NUL_SHARE:
+        raise ParseError(f"not a text file: {share:.0%} of its first bytes are NUL (binary data, or UTF-16 text;"
+                         " kb reads UTF-8)")
+
+
 def parse_file(path: str, doc_format: str, limits: Limits = Limits()) -> ParsedDocument:
     """Parse one file; raises ParseError with the reason when it yields no text."""
     check_expansion(path, doc_format, limits.max_unzipped_mb)
+    check_text(path, doc_format)
     try:
         raw = _partition(path, doc_format)
     except ParseError:
@@ -139,6 +154,12 @@ ORDER BY d.document_id
 """
 
 
+def warm_worker() -> None:
+    """What every parse needs, loaded once per worker: unstructured's core and the offline sentence model."""
+    offline_spacy()
+    importlib.import_module("unstructured.partition.text")
+
+
 def _parse_task(task: tuple[str, str, bool, str, Limits]) -> ParsedDocument | str:
     """A worker's unit of work: the parsed document, or the reason it failed (exceptions stay in the worker)."""
     location, locator, allow_outside_links, doc_format, limits = task
@@ -162,7 +183,7 @@ def parse_pending(conn: psycopg.Connection, source_ids: list[str] | None = None,
         tasks = [(location, locator, allow, doc_format, limits)
                  for _, locator, doc_format, _, location, _, allow in batch]
         parsed, failed = [], []
-        results = isolated_map(_parse_task, tasks, workers, limits.parse_timeout_s, limits.parse_memory_mb)
+        results = isolated_map(_parse_task, tasks, workers, limits.parse_timeout_s, limits.parse_memory_mb, warm_worker)
         for (doc_id, locator, _, content_hash, location, source_id, _), result in zip(batch, results):
             if isinstance(result, ParsedDocument):
                 parsed.append((doc_id, content_hash, result, source_id, locator))

@@ -33,31 +33,35 @@ class Lost:
     reason: str
 
 
-def _die_with_parent() -> None:
-    """Worker initializer (Linux): the kernel sends SIGKILL when the parent process dies."""
+def _start_worker(warm: Callable[[], None] | None) -> None:
+    """Worker initializer: die with the parent (Linux: the kernel sends SIGKILL when it dies), then load what every
+    task needs, so that a task's time limit measures its own work and not the imports."""
     try:
         import ctypes
 
         libc = ctypes.CDLL("libc.so.6", use_errno=True)
         libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+        if os.getppid() == 1:  # the parent died before the request took effect
+            os._exit(1)
     except (OSError, AttributeError):  # not Linux: workers then end when their pipe to the parent closes
-        return
-    if os.getppid() == 1:  # the parent died before the request took effect
-        os._exit(1)
+        pass
+    if warm is not None:
+        warm()
 
 
-_pool = None  # (workers, pebble.ProcessPool)
+_pool = None  # ((workers, warm), pebble.ProcessPool)
 
 
-def _shared_pool(workers: int):
+def _shared_pool(workers: int, warm: Callable[[], None] | None):
     global _pool
     import pebble
 
-    if _pool is not None and (_pool[0] != workers or not _pool[1].active):
+    if _pool is not None and (_pool[0] != (workers, warm) or not _pool[1].active):
         _stop_pool()
     if _pool is None:
         context = multiprocessing.get_context("spawn")
-        _pool = (workers, pebble.ProcessPool(max_workers=workers, initializer=_die_with_parent, context=context))
+        _pool = ((workers, warm), pebble.ProcessPool(max_workers=workers, initializer=_start_worker,
+                                                     initargs=(warm,), context=context))
     return _pool[1]
 
 
@@ -107,14 +111,15 @@ def _memory_watchdog(limit_mb: float) -> Iterator[set[int]]:
         thread.join()
 
 
-def isolated_map(fn: Callable, tasks: list, workers: int, timeout_s: float, memory_mb: float) -> Iterator:
+def isolated_map(fn: Callable, tasks: list, workers: int, timeout_s: float, memory_mb: float,
+                 warm: Callable[[], None] | None = None) -> Iterator:
     """fn(task) for each task in worker processes, yielded in order: the result, or Lost(reason) when the task's
-    worker ran past timeout_s, past memory_mb, or died."""
+    worker ran past timeout_s, past memory_mb, or died. `warm` runs once in each new worker (imports)."""
     from concurrent.futures import TimeoutError as TaskTimeout
 
     from pebble import ProcessExpired
 
-    futures = [_shared_pool(workers).schedule(fn, args=(task,), timeout=timeout_s) for task in tasks]
+    futures = [_shared_pool(workers, warm).schedule(fn, args=(task,), timeout=timeout_s) for task in tasks]
     try:
         with _memory_watchdog(memory_mb) as killed:
             for future in futures:

@@ -21,8 +21,10 @@ def fake_vector(text: str, dimensions: int = DIMENSIONS) -> list[float]:
 class FakeOpenAI:
     """Scripted failures first (status codes, or 'hang'), then correct answers; records what it saw."""
 
-    def __init__(self, failures=(), delay_s: float = 0.0, chat_reply: str = "[]", dimensions: int = DIMENSIONS):
+    def __init__(self, failures=(), delay_s: float = 0.0, chat_reply: str = "[]", dimensions: int = DIMENSIONS,
+                 zero_when=lambda text: False):
         self.failures = list(failures)
+        self.zero_when = zero_when  # texts answered with an all-zero vector, as a broken endpoint does
         self.dimensions = dimensions
         self.chat_reply = chat_reply
         self.prompts: list[str] = []
@@ -67,7 +69,8 @@ class FakeOpenAI:
                             fake.batches.append(len(inputs))
                         payload = json.dumps({
                             "object": "list", "model": body["model"],
-                            "data": [{"object": "embedding", "index": i, "embedding": fake_vector(t, fake.dimensions)}
+                            "data": [{"object": "embedding", "index": i,
+                                      "embedding": [0.0] * fake.dimensions if fake.zero_when(t) else fake_vector(t, fake.dimensions)}
                                      for i, t in reversed(list(enumerate(inputs)))],
                             "usage": {"prompt_tokens": 1, "total_tokens": 1}}).encode()
                         self.send_response(200)

@@ -1,10 +1,12 @@
 """The chunker on hand-made element lists, with the real all-MiniLM-L6-v2 tokenizer."""
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from pipelines.chunking import Chunker
 from pipelines.elements import Element
-from pipelines.enrich import embed_text
+from pipelines.enrich import context_title, embed_text
 from pipelines.tokens import local_counter
 
 SENTENCE = "The cooling fan of drive number {n} must be replaced after thirty thousand operating hours of service."
@@ -100,3 +102,45 @@ def test_heading_without_body_keeps_its_text(chunker):
                 Element("Title", "Another heading", depth=0, section_path=["Another heading"])]
     texts = [c.text for c in chunker.chunk(elements, "Doc")]
     assert texts == ["Only a heading\n\nAnother heading"]
+
+
+class _Raw:
+    """The shape of an unstructured element, for pipelines.parse.to_elements."""
+
+    def __init__(self, category: str, text: str, depth: int):
+        from types import SimpleNamespace
+
+        self.category, self.text = category, text
+        self.metadata = SimpleNamespace(category_depth=depth, page_number=None, text_as_html=None)
+
+
+def _is_subsequence(needle: str, haystack: str) -> bool:
+    it = iter(haystack)
+    return all(char in it for char in needle)
+
+
+# Arbitrary Unicode, prose long enough to need splitting, and runs without spaces (base64, long identifiers).
+_WORDS = ["the", "fan", "Zebra-12", "naïve", "東京", "AVX-039", "e.g.", "α", "3.5", "(see", "table)", ".", "!", "?",
+          "\n", "\n\n", "|", "x" * 40]
+TEXTS = st.one_of(st.text(min_size=1, max_size=2500),
+                  st.lists(st.sampled_from(_WORDS), min_size=1, max_size=900).map(" ".join),
+                  st.text(alphabet="abcXYZ0189+/=-_.", min_size=200, max_size=6000))
+
+
+@given(blocks=st.lists(st.tuples(st.sampled_from(["Title", "NarrativeText", "ListItem", "Table"]), TEXTS,
+                                 st.integers(0, 3)), min_size=1, max_size=12),
+       title=st.one_of(st.none(), st.text(max_size=200), TEXTS))
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+def test_any_text_and_structure_chunk_within_the_limit_and_lose_nothing(chunker, blocks, title):
+    from pipelines.parse import to_elements
+
+    elements = to_elements([_Raw(*block) for block in blocks])
+    chunks = chunker.chunk(elements, title)
+    limit = local_counter().max_tokens
+    embedded_title = context_title(local_counter(), title)  # the title as the enricher prepends it
+    for chunk in chunks:
+        assert local_counter().count([embed_text(embedded_title, chunk.section_path, chunk.text)])[0] <= limit
+    body = "".join("".join(c.text.split()) for c in chunks)
+    for element in elements:
+        if element.category != "Title":
+            assert _is_subsequence("".join(element.text.split()), body), "text was lost"

