@@ -5,12 +5,8 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import socket
-import threading
 import uuid
-from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator
 
 import psycopg
 import pytest
@@ -84,43 +80,3 @@ def instance(tmp_path):
     with dg.instance_for_test(temp_dir=str(home)) as test_instance:
         yield test_instance
 
-
-@contextmanager
-def tcp_to_database(url: str) -> Iterator[str]:
-    """The database at `url` (a unix-socket server) reachable over TCP on localhost, through a small forwarder:
-    for child processes that cannot open the server's socket folder (running without root's file capabilities)."""
-    info = psycopg.conninfo.conninfo_to_dict(url)
-    socket_path = f"{info['host']}/.s.PGSQL.{info.get('port') or 5432}"
-    listener = socket.create_server(("127.0.0.1", 0))
-
-    def pump(source: socket.socket, target: socket.socket) -> None:
-        try:
-            while data := source.recv(1 << 16):
-                target.sendall(data)
-        except OSError:
-            pass
-        finally:
-            for end in (source, target):
-                try:
-                    end.shutdown(socket.SHUT_RDWR)
-                except OSError:
-                    pass
-
-    def serve() -> None:
-        while True:
-            try:
-                client, _ = listener.accept()
-            except OSError:
-                return
-            upstream = socket.socket(socket.AF_UNIX)
-            upstream.connect(socket_path)
-            for pair in ((client, upstream), (upstream, client)):
-                threading.Thread(target=pump, args=pair, daemon=True).start()
-
-    threading.Thread(target=serve, daemon=True).start()
-    try:
-        yield psycopg.conninfo.make_conninfo(host="127.0.0.1", port=listener.getsockname()[1],
-                                             dbname=info["dbname"], user=info.get("user") or "postgres",
-                                             sslmode="disable")
-    finally:
-        listener.close()

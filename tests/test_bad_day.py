@@ -20,7 +20,7 @@ import numpy as np
 import psutil
 import pytest
 from click.testing import CliRunner
-from conftest import tcp_to_database
+from hostile import TEST_LIMITS, good_records, make_hostile, tcp_to_database, without_root_capabilities
 
 from assets.ingestion import ASSETS
 from assets.partitions import SOURCES
@@ -67,12 +67,10 @@ def test_an_unreadable_folder_keeps_its_documents(settings, samples_copy):
     kb("ingest", str(samples_copy), "--source", "samples")
     before = live_texts(settings, "finance/expense-policy.docx")
     (samples_copy / "finance").chmod(0)
-    # root reads anything: drop the capabilities that bypass file permissions, as an ordinary account lacks them
-    as_user = ["setpriv", "--bounding-set", "-dac_override,-dac_read_search"] if os.geteuid() == 0 else []
-    try:
-        with tcp_to_database(settings.database_url) as url:  # the server's socket folder is closed to it too
-            result = subprocess.run([*as_user, KB, "ingest", "--source", "samples", "--json"], capture_output=True,
-                                    text=True, env={**os.environ, "DATABASE_URL": url})
+    try:  # root reads anything: run as an ordinary account would, which cannot open the server's socket folder
+        with tcp_to_database(settings.database_url) as url:
+            result = subprocess.run([*without_root_capabilities(), KB, "ingest", "--source", "samples", "--json"],
+                                    capture_output=True, text=True, env={**os.environ, "DATABASE_URL": url})
     finally:
         (samples_copy / "finance").chmod(0o755)
     assert result.returncode == 3, result.stderr
@@ -307,3 +305,44 @@ def test_a_killed_run_leaves_nothing_running_and_a_dead_database_is_named(sample
     assert "lost the connection to PostgreSQL (the embedded server in" in message
     assert "terminat" in message or "closed the connection" in message, message
     assert "Traceback" not in message
+
+
+def test_a_hostile_folder_in_one_run(settings, samples_copy, tmp_path):
+    """Good files beside every kind of bad input, and an emptied second source, in one run: exit 3, every bad file
+    named with its reason in --json and in `kb status`, every good file searchable, nothing stored before lost."""
+    records, archive = tmp_path / "records.jsonl", tmp_path / "archive"
+    good_records(records)
+    archive.mkdir()
+    (archive / "old-memo.md").write_text("# Old memo\n\nThe okapi enclosure moved in 2019.\n")
+    kb("ingest", str(samples_copy), str(records), str(archive))
+    before = {locator: live_texts(settings, locator)
+              for locator in ("finance/expense-policy.docx", "products/spare-parts-prices.xlsx", "r1", "r6")}
+
+    expected = make_hostile(samples_copy, records, tmp_path / "outside" / "shadow.txt")
+    (archive / "old-memo.md").unlink()  # the second source is emptied: an unmounted share
+    env = {**os.environ, **TEST_LIMITS}
+    try:
+        with tcp_to_database(settings.database_url) as url:
+            run = subprocess.run([*without_root_capabilities(), KB, "ingest", "--json"], capture_output=True, text=True,
+                                 env={**env, "DATABASE_URL": url})
+    finally:
+        (samples_copy / "finance").chmod(0o755)
+    assert run.returncode == 3, run.stderr
+    data = json.loads(run.stdout)
+    reasons = errors(data)
+    assert set(reasons) == set(expected) | {str(archive)}
+    for locator, fragment in expected.items():
+        assert fragment in reasons[locator], (locator, reasons[locator])
+    assert "would soft-delete 1 of 1" in reasons[str(archive)]
+    assert data["documents_deleted"] == 0
+    assert {f["locator"] for f in kb_json("status")["failures"]} == set(reasons)
+
+    for locator, texts in before.items():  # nothing stored is lost
+        assert live_texts(settings, locator) == texts, locator
+    assert live_texts(settings, "old-memo.md")
+    found = {query: {c["document"] for c in kb_json("search", query, "--k", "5")["chunks"]}
+             for query in ("zebra signing keys rotation", "okapi census paragraph", "parental leave weeks")}
+    assert "ops/notes.txt" in found["zebra signing keys rotation"]
+    assert "paragraphs.docx" in found["okapi census paragraph"]
+    assert "handbook/leave-policy.md" in found["parental leave weeks"]
+    assert live_texts(settings, "ops/token.txt") and live_texts(settings, "r7") == ["The okapi record with a NUL."]
