@@ -12,6 +12,7 @@ key reads public sources only (or is refused when the server runs with require_k
 from __future__ import annotations
 
 from contextlib import asynccontextmanager
+from datetime import datetime, timezone
 from pathlib import Path
 from typing import Literal
 
@@ -21,7 +22,7 @@ from fastapi.security import APIKeyHeader, HTTPAuthorizationCredentials, HTTPBea
 from pydantic import BaseModel, Field
 
 from pipelines.access import AccessDenied, ApiKey, authenticate, caller_groups
-from pipelines.search import Filters
+from pipelines.search import Filters, visible_sources
 from pipelines.service import EmptyKnowledgeBase, run_citation_check, run_search
 from pipelines.settings import Settings, load_settings
 
@@ -37,10 +38,27 @@ class Chunk(BaseModel):
     section_path: list[str]
     score: float
     entities: dict
-    dense_rank: int | None = None
-    dense_score: float | None = None
-    lexical_rank: int | None = None
-    lexical_score: float | None = None
+    dense_rank: int | None = Field(None, description="Rank in the dense arm (debug).")
+    dense_score: float | None = Field(None, description="Cosine similarity to the query (debug).")
+    lexical_rank: int | None = Field(None, description="Rank in the lexical (BM25) arm (debug).")
+    lexical_score: float | None = Field(None, description="BM25 score (debug).")
+    dense_rrf: float | None = Field(None, description="The dense arm's share of the fused score (debug).")
+    lexical_rrf: float | None = Field(None, description="The lexical arm's share of the fused score (debug).")
+    matched_terms: list[str] | None = Field(None, description="Query lexemes the chunk holds (debug).")
+    exact: list[str] | None = Field(None, description="Codes of the query the chunk holds (debug).")
+    tie_broken: bool | None = Field(None, description="Moved within a near-tie by the arms' own scores (debug).")
+    highlights: list[tuple[int, int]] | None = Field(None, description="Character spans of matched words (debug).")
+
+
+class Explanation(BaseModel):
+    kind: str = Field(description="How the classifier read the query: identifier, question or keywords.")
+    lexical_weight: float = Field(description="The lexical arm's RRF weight (the dense arm's is 1 minus it).")
+    reason: str
+    identifiers: list[str]
+    identifier_terms: list[str]
+    exact_first: bool
+    tie_share: float
+    rrf_k: int
 
 
 class SearchResponse(BaseModel):
@@ -48,7 +66,16 @@ class SearchResponse(BaseModel):
     k: int
     source_id: str | None
     mode: str
+    arm: str
     chunks: list[Chunk]
+    explain: Explanation | None = None
+
+
+def _text(value: str | None) -> str | None:
+    """Query text a database can hold: a NUL character is a client error (422), not a server error."""
+    if value is not None and "\x00" in value:
+        raise HTTPException(status_code=422, detail="parameters must not contain NUL characters")
+    return value
 
 
 class Claim(BaseModel):
@@ -110,22 +137,37 @@ def create_app(settings: Settings | None = None, require_key: bool = False) -> F
         k: int = Query(5, ge=1, le=20, description="How many chunks to return."),
         source_id: str | None = Query(None, description="Only chunks from this source."),
         mode: Literal["chunks", "qa_first", "qa_only"] = Query("chunks"),
-        debug: bool = Query(False, description="Add each chunk's rank and score in each arm."),
-        lexical_weight: float | None = Query(None, ge=0, le=1, description="RRF weight of the lexical arm."),
+        arm: Literal["hybrid", "dense", "lexical"] = Query("hybrid", description="Both arms fused, or one alone."),
+        debug: bool = Query(False, description="Explain the ranking: the query's class and weight, each chunk's"
+                                               " rank, score and RRF share in each arm, matched terms."),
+        lexical_weight: float | None = Query(None, ge=0, le=1, description="RRF weight of the lexical arm"
+                                                                         " (default: the query classifier's)."),
+        as_of: datetime | None = Query(None, description="Search the knowledge base as it was at this time."),
+        exact_first: bool = Query(True, description="Chunks holding a code the query asks about come first."),
         groups: str | None = Query(None, description="Comma-separated: read as only these of the key's groups."),
         diversity: float = Query(0.0, ge=0, le=1, description="MMR diversity over the candidates (0: off)."),
         freshness: float = Query(0.0, ge=0, le=10, description="Boost for recent documents (0: off)."),
     ) -> dict:
+        _text(q), _text(source_id), _text(groups)
         if mode != "chunks":
             raise HTTPException(status_code=501, detail=f"mode {mode!r} is reserved and not implemented yet")
         requested = None if groups is None else [g.strip() for g in groups.split(",") if g.strip()]
-        filters = Filters(source_id=source_id, groups=groups_for(key, requested))
+        if as_of is not None and as_of.tzinfo is None:
+            as_of = as_of.replace(tzinfo=timezone.utc)
+        filters = Filters(source_id=source_id, groups=groups_for(key, requested), as_of=as_of)
         with request.app.state.pool.connection() as conn:
             try:
-                return run_search(conn, settings, q, k, lexical_weight=lexical_weight, filters=filters, debug=debug,
-                                  mode=mode, diversity=diversity, freshness=freshness)
+                return run_search(conn, settings, q, k, arm=arm, lexical_weight=lexical_weight, filters=filters,
+                                  debug=debug, mode=mode, diversity=diversity, freshness=freshness,
+                                  exact_first=exact_first)
             except EmptyKnowledgeBase as exc:
                 raise HTTPException(status_code=409, detail=str(exc)) from exc
+
+    @app.get("/v1/sources")
+    def readable_sources(request: Request, key: ApiKey | None = Depends(caller)) -> dict:
+        """The sources this caller may read (the console's source filter)."""
+        with request.app.state.pool.connection() as conn:
+            return {"sources": sorted(visible_sources(conn, groups_for(key, None)))}
 
     @app.post("/v1/citations/validate")
     def validate(request: Request, body: CitationRequest, key: ApiKey | None = Depends(caller)) -> dict:

@@ -229,53 +229,54 @@ def sweep(freshness_hours, as_json) -> None:
 
 
 @main.command(name="eval")
-@click.argument("dataset", type=click.Path(exists=True, file_okay=False, path_type=Path))
-@click.option("--split", default="test", show_default=True, help="qrels/<split>.tsv")
+@click.argument("datasets", nargs=-1, required=True, type=click.Path(exists=True, file_okay=False, path_type=Path))
+@click.option("--split", help="qrels/<split>.tsv (default: test, or the dataset's only split)")
 @click.option("--database-url", help="Evaluate in this database (default: a kb_eval_<dataset> database of its own).")
 @click.option("--lexical-weight", "weights", multiple=True, type=click.FloatRange(0, 1),
               help="Also evaluate hybrid with this fixed lexical weight (repeatable).")
 @click.option("--misses", is_flag=True, help="List the queries with no relevant document in the top 10.")
+@click.option("--per-query", "per_query_path", type=click.Path(dir_okay=False, path_type=Path),
+              help="Write every query's metrics here (JSON), for a later --compare.")
+@click.option("--compare", "compare_path", type=click.Path(exists=True, dir_okay=False, path_type=Path),
+              help="A --per-query file of an earlier run: paired per-query differences (mean, standard error).")
 @click.option("--json", "as_json", is_flag=True)
-def evaluate(dataset, split, database_url, weights, misses, as_json) -> None:
-    """Ingest a BEIR dataset through the real pipeline and report hit@1/5/10, MRR@10, nDCG@10, recall@100."""
-    import dataclasses
-    import re
-
-    from pipelines.database import connect, database_url as server_url, ensure_database
-    from pipelines.embedders import make_embedder
-    from pipelines.evaluation import CONFIGURATIONS, METRICS, Configuration, classifier_weights, evaluate as run_eval, load_queries
-    from pipelines.ingest import ingest as run_ingest
-    from pipelines.sources import actor, add_source, declare, get_source, update_source
-
-    settings = load_settings()
-    name = re.sub(r"[^a-z0-9]+", "_", dataset.resolve().name.lower())
-    if database_url is None:
-        database_url = ensure_database(server_url(settings), f"kb_eval_{name}")
-    settings = dataclasses.replace(settings, database_url=database_url)
-    queries, qrels = load_queries(dataset, split)
-    source_id = f"beir-{name}"
-    embedder = make_embedder(settings)
+def evaluate(datasets, split, database_url, weights, misses, per_query_path, compare_path, as_json) -> None:
+    """Ingest BEIR datasets through the real pipeline and report hit@1/5/10, MRR@10, nDCG@10, recall@100 per
+    arm, per query kind where the queries carry one (identifier sets), and against an earlier run."""
+    from pipelines.evaluation import METRICS, evaluate_dataset, paired_comparison
     from pipelines.rerank import make_reranker
 
+    settings = load_settings()
     reranker = make_reranker(settings)
-    configs = list(CONFIGURATIONS) + [Configuration(f"hybrid w={w:g}", "hybrid", w) for w in weights]
-    if reranker is not None:
-        configs.append(Configuration("hybrid+rerank", "hybrid", rerank=True))
-    with connect(settings) as conn:
-        corpus = declare(source_id, dataset / "corpus.jsonl")
-        if get_source(conn, source_id) is None:  # the evaluation database is kb's own: it follows the dataset
-            add_source(conn, corpus, actor("kb eval"))
-        else:
-            update_source(conn, source_id, actor("kb eval"), location=corpus.location)
-        summary = run_ingest(conn, embedder, settings, [source_id], progress=_progress_factory(not as_json))
-        report = run_eval(conn, embedder, queries, qrels, source_id, configs, misses, reranker)
-    data = {"dataset": str(dataset), "split": split, "queries": len(queries), "ingest": summary.counters(),
-            "classifier": {str(k): v for k, v in sorted(classifier_weights(queries).items())}, "results": report}
-    lines = [f"{dataset.name} ({split}, {len(queries)} queries)", f"{'configuration':<16}" + "".join(f"{m:>11}" for m in METRICS)]
-    lines += [f"{cfg:<16}" + "".join(f"{r['metrics'][m]:>11.4f}" for m in METRICS) for cfg, r in report.items()]
-    for cfg, r in report.items():
-        lines += [f"miss [{cfg}] {m['query_id']}: {m['query'][:80]}" for m in r.get("misses", [])]
-    _emit(data, as_json, "\n".join(lines))
+    report = {dataset.name: evaluate_dataset(settings, dataset, split, database_url, weights, misses, reranker,
+                                             _progress_factory(not as_json)) for dataset in datasets}
+    if per_query_path:
+        per_query_path.write_text(json.dumps({name: {cfg: r["per_query"] for cfg, r in data["results"].items()}
+                                              for name, data in report.items()}, indent=1))
+    if compare_path:
+        earlier = json.loads(compare_path.read_text())
+        for name, data in report.items():
+            for cfg, result in data["results"].items():
+                if cfg in earlier.get(name, {}):
+                    result["compared"] = {metric: paired_comparison(earlier[name][cfg], result["per_query"], metric)
+                                          for metric in ("ndcg@10", "hit@5")}
+    for data in report.values():
+        for result in data["results"].values():
+            del result["per_query"]
+    lines = []
+    for name, data in report.items():
+        lines += [f"{name} ({data['split']}, {data['queries']} queries)",
+                  f"{'configuration':<22}" + "".join(f"{m:>11}" for m in METRICS)]
+        lines += [f"{cfg:<22}" + "".join(f"{r['metrics'][m]:>11.4f}" for m in METRICS) for cfg, r in data["results"].items()]
+        for cfg, result in data["results"].items():
+            lines += [f"  {cfg} {group:<18}" + "".join(f"{values[m]:>11.4f}" for m in METRICS) + f"  ({values['queries']})"
+                      for group, values in result.get("groups", {}).items()]
+            for metric, c in result.get("compared", {}).items():
+                lines.append(f"  {cfg}: {metric} {c['before']:.4f} -> {c['after']:.4f}, per query {c['mean_delta']:+.4f}"
+                             f" +/- {c['standard_error']:.4f} (wins {c['wins']}, losses {c['losses']}, ties {c['ties']})")
+            lines += [f"  miss [{cfg}] {m['query_id']}: {m['query'][:80]}" for m in result.get("misses", [])]
+        lines.append("")
+    _emit(report, as_json, "\n".join(lines).rstrip())
 
 
 @main.command()

@@ -13,7 +13,7 @@ from pathlib import Path
 import psycopg
 
 from pipelines.embedders import Embedder
-from pipelines.search import Filters, lexical_weight_for, search
+from pipelines.search import Filters, search
 
 METRICS = ("hit@1", "hit@5", "hit@10", "mrr@10", "ndcg@10", "recall@100")
 CHUNKS_PER_QUERY = 300  # enough chunks to rank 100 distinct documents
@@ -36,6 +36,12 @@ CONFIGURATIONS = (
 
 def load_queries(dataset: Path, split: str) -> tuple[dict[str, str], dict[str, dict[str, int]]]:
     """Queries that have judgements in the split, and the judgements {query_id: {doc_id: relevance}}."""
+    queries, qrels, _ = load_dataset_queries(dataset, split)
+    return queries, qrels
+
+
+def load_dataset_queries(dataset: Path, split: str) -> tuple[dict[str, str], dict[str, dict[str, int]], dict[str, dict]]:
+    """load_queries plus each query's metadata (an identifier set's `kind` and `form`, for per-kind reports)."""
     qrels: dict[str, dict[str, int]] = {}
     with open(dataset / "qrels" / f"{split}.tsv", encoding="utf-8") as handle:
         for line in handle:
@@ -43,13 +49,14 @@ def load_queries(dataset: Path, split: str) -> tuple[dict[str, str], dict[str, d
             if len(parts) < 3 or parts[0] == "query-id":
                 continue
             qrels.setdefault(parts[0], {})[parts[1]] = int(parts[2])
-    queries = {}
+    queries, metadata = {}, {}
     with open(dataset / "queries.jsonl", encoding="utf-8") as handle:
         for line in handle:
             record = json.loads(line)
             if str(record["_id"]) in qrels:
                 queries[str(record["_id"])] = record["text"]
-    return queries, {q: rels for q, rels in qrels.items() if q in queries}
+                metadata[str(record["_id"])] = record.get("metadata") or {}
+    return queries, {q: rels for q, rels in qrels.items() if q in queries}, metadata
 
 
 def document_run(hits, limit: int = 100) -> dict[str, float]:
@@ -92,7 +99,7 @@ def evaluate(conn: psycopg.Connection, embedder: Embedder, queries: dict[str, st
                 hits = reranker.rerank(text, hits[:k_overfetch]) + hits[k_overfetch:]
             run[qid] = document_run(hits)
         means, per_query = score(run, qrels)
-        entry = {"metrics": means, "queries": len(queries)}
+        entry = {"metrics": means, "queries": len(queries), "per_query": per_query}
         if misses:
             entry["misses"] = [{"query_id": q, "query": queries[q], "relevant": sorted(qrels[q]),
                                 "top5": list(run[q])[:5]} for q, m in per_query.items() if not m["hit@10"]]
@@ -113,10 +120,83 @@ class _CachedQueries:
         return np.stack([self._vectors[t] for t in texts])
 
 
-def classifier_weights(queries: dict[str, str]) -> dict[float, int]:
-    """How the query classifier splits a query set, for the report."""
-    counts: dict[float, int] = {}
+def classifier_kinds(conn: psycopg.Connection, queries: dict[str, str], source_id: str) -> dict[str, int]:
+    """How the query classifier reads a query set (identifier / question / keywords), for the report."""
+    from pipelines.query_class import classify
+    from pipelines.search import visible_sources
+
+    source_keys = list(visible_sources(conn, [], source_id).values())
+    counts: dict[str, int] = {}
     for text in queries.values():
-        weight = lexical_weight_for(text)
-        counts[weight] = counts.get(weight, 0) + 1
-    return counts
+        kind = classify(conn, text, source_keys).kind
+        counts[kind] = counts.get(kind, 0) + 1
+    return dict(sorted(counts.items()))
+
+
+def by_group(per_query: dict[str, dict], metadata: dict[str, dict], fields=("kind", "form")) -> dict[str, dict]:
+    """Mean metrics per value of a query metadata field (an identifier set's kinds and forms)."""
+    groups: dict[str, list[dict]] = {}
+    for qid, metrics in per_query.items():
+        for name in fields:
+            if name in metadata.get(qid, {}):
+                groups.setdefault(f"{name}={metadata[qid][name]}", []).append(metrics)
+    return {group: {m: round(sum(r[m] for r in rows) / len(rows), 4) for m in METRICS} | {"queries": len(rows)}
+            for group, rows in sorted(groups.items())}
+
+
+def paired_comparison(before: dict[str, dict], after: dict[str, dict], metric: str = "ndcg@10") -> dict:
+    """Per-query difference after - before on the queries both runs scored: mean, its standard error, and how
+    many queries won, lost or tied. A drop is real when the mean is below zero by more than about two errors."""
+    import statistics
+
+    common = sorted(set(before) & set(after))
+    deltas = [after[q][metric] - before[q][metric] for q in common]
+    mean = statistics.fmean(deltas) if deltas else 0.0
+    error = statistics.stdev(deltas) / len(deltas) ** 0.5 if len(deltas) > 1 else 0.0
+    return {"metric": metric, "queries": len(common), "before": round(statistics.fmean(before[q][metric] for q in common), 4),
+            "after": round(statistics.fmean(after[q][metric] for q in common), 4), "mean_delta": round(mean, 4),
+            "standard_error": round(error, 4), "wins": sum(d > 1e-9 for d in deltas),
+            "losses": sum(d < -1e-9 for d in deltas), "ties": sum(abs(d) <= 1e-9 for d in deltas)}
+
+
+def default_split(dataset: Path) -> str:
+    splits = sorted(p.stem for p in (dataset / "qrels").glob("*.tsv"))
+    return "test" if "test" in splits or not splits else splits[0]
+
+
+def evaluate_dataset(settings, dataset: Path, split: str | None = None, database_url: str | None = None,
+                     weights=(), misses: bool = False, reranker=None, progress=None) -> dict:
+    """Ingest a BEIR dataset's corpus as source `beir-<name>` (in its own kb_eval_<name> database unless one is
+    given) and evaluate every configuration on its queries. The evaluation database is kb's own: its source
+    follows the dataset's location."""
+    import dataclasses
+    import re
+
+    from pipelines.database import connect, database_url as server_url, ensure_database
+    from pipelines.embedders import make_embedder
+    from pipelines.ingest import ingest
+    from pipelines.sources import actor, add_source, declare, get_source, update_source
+
+    name = re.sub(r"[^a-z0-9]+", "_", dataset.resolve().name.lower())
+    split = split or default_split(dataset)
+    settings = dataclasses.replace(settings, database_url=database_url or ensure_database(server_url(settings), f"kb_eval_{name}"))
+    queries, qrels, metadata = load_dataset_queries(dataset, split)
+    source_id = f"beir-{name}"
+    embedder = make_embedder(settings)
+    configs = list(CONFIGURATIONS) + [Configuration(f"hybrid w={w:g}", "hybrid", w) for w in weights]
+    if reranker is not None:
+        configs.append(Configuration("hybrid+rerank", "hybrid", rerank=True))
+    with connect(settings) as conn:
+        corpus = declare(source_id, dataset / "corpus.jsonl")
+        if get_source(conn, source_id) is None:
+            add_source(conn, corpus, actor("kb eval"))
+        else:
+            update_source(conn, source_id, actor("kb eval"), location=corpus.location)
+        summary = ingest(conn, embedder, settings, [source_id], **({"progress": progress} if progress else {}))
+        results = evaluate(conn, embedder, queries, qrels, source_id, configs, misses, reranker)
+        kinds = classifier_kinds(conn, queries, source_id)
+    if any(metadata.values()):
+        for result in results.values():
+            result["groups"] = by_group(result["per_query"], metadata)
+    return {"dataset": str(dataset), "split": split, "queries": len(queries), "ingest": summary.counters(),
+            "classifier": kinds, "results": results}

@@ -19,6 +19,7 @@ import psycopg
 from psycopg import sql
 
 from pipelines.embedders import Embedder
+from pipelines.query_class import QueryClass, classify
 from pipelines.settings import SQL_DIR
 from pipelines.vector_store import vector_table
 
@@ -31,29 +32,23 @@ RRF_K = 60
 # Anserini's BM25 defaults (the BEIR baselines); not tuned on any split here. On SciFact train they give
 # lexical nDCG@10 0.695 against 0.690 for the textbook k1 1.2, b 0.75 (bench/README.md).
 BM25_K1, BM25_B = 0.9, 0.4
-# Lexical pruning (sql/queries/hybrid_search.sql): the rarest query terms whose posting lists sum to at most
-# POSTING_BUDGET nominate candidates (a lone common term reads only its best POSTING_BUDGET postings); the best
-# RESCORE_MIN (or 10x the over-fetch) candidates are completed with the other terms. Narrowing filters turn it
-# off (exact BM25), so a selective filter never runs out of candidates. On SciFact this returns exactly the
-# rankings of unpruned BM25; it bounds the lexical arm's work at any corpus size (bench/README.md).
+# Lexical pruning (sql/queries/hybrid_search.sql): the query terms with the shortest posting lists, together at
+# most POSTING_BUDGET postings, nominate candidates (a lone common term reads only its best POSTING_BUDGET
+# postings); the best RESCORE_MIN (or 10x the over-fetch) candidates are completed with the other terms. On
+# SciFact this returns exactly the rankings of unpruned BM25; it bounds the lexical arm's work at any corpus size
+# (bench/README.md). Postings are read per readable source, and as of a time when one is asked.
 POSTING_BUDGET = 10_000
 RESCORE_MIN = 200
+# Terms in more than this share of the readable chunks' texts carry no evidence and are left out (None: keep
+# every term; Lucene's idf is never negative, so a common term only adds little).
+COMMON_SHARE: float | None = None
+# A filter (format, dates, entities) that matches at most this many chunks is searched chunk by chunk, exactly,
+# in both arms; a broader one keeps the indexes, with exact BM25 under it.
+FILTER_FIRST_MAX = 20_000
+# Fused scores closer than this share are a near-tie: RRF knows only ranks, so the arms' own scores (normalised
+# over the candidates and weighted like the fusion) decide their order.
+TIE_SHARE = 0.01
 ARMS = ("hybrid", "dense", "lexical")
-
-# Codes and identifiers: letters and digits in one token (AVX-039, 42P07, HR-2024-047), snake_case names
-# (max_wal_senders) or a quoted string. Plain numbers ("5 weeks") are not identifiers.
-_IDENTIFIER = re.compile(
-    r"\b(?=[\w-]*\d)(?=[\w-]*[A-Za-z])[A-Za-z0-9]+(?:[-_./][A-Za-z0-9]+)*\b|\b[a-z0-9]+(?:_[a-z0-9]+)+\b|\"[^\"]+\"")
-_QUESTION = re.compile(r"^\s*(how|why|what|when|which|who|where|explain|describe|can|could|should|does|do|is|are)\b", re.I)
-
-
-def lexical_weight_for(query: str) -> float:
-    """The query classifier: identifier or code queries lean lexical (0.7), questions lean dense (0.3)."""
-    if _IDENTIFIER.search(query):
-        return 0.7
-    if _QUESTION.match(query) or query.rstrip().endswith("?"):
-        return 0.3
-    return 0.5
 
 
 @dataclass
@@ -69,9 +64,9 @@ class Filters:
     @property
     def narrows(self) -> bool:
         """True when the filters may exclude most of a source's chunks, which pruned BM25 could then miss.
-        (Sources, and so access groups and source filters, are applied before pruning.)"""
-        return any(getattr(self, name) is not None
-                   for name in ("doc_format", "date_from", "date_to", "entities", "as_of"))
+        (Sources, and so access groups and source filters, are applied before pruning; as-of reads prune over the
+        postings of chunks valid at that time.)"""
+        return any(getattr(self, name) is not None for name in ("doc_format", "date_from", "date_to", "entities"))
 
     def predicate(self) -> tuple[sql.Composable, dict]:
         """The chunk filter both arms apply; `visible_sources` is filled in from `visible_sources()`."""
@@ -118,16 +113,25 @@ class Hit:
     entities: dict
     doc_format: str
     doc_date: date | None
-    score: float
+    score: float  # the fused (RRF) score
     dense_rank: int | None = None
-    dense_score: float | None = None
+    dense_score: float | None = None  # cosine similarity to the query, for every candidate
     lexical_rank: int | None = None
-    lexical_score: float | None = None
+    lexical_score: float | None = None  # BM25, for every candidate
+    dense_rrf: float = 0.0  # each arm's share of the fused score
+    lexical_rrf: float = 0.0
+    matched_terms: list[str] = field(default_factory=list)  # the query's lexemes this chunk holds
+    exact: list[str] = field(default_factory=list)  # the query's codes this chunk holds
+    tie_broken: bool = False  # moved within a near-tie by the arms' own scores
+    highlights: list[tuple[int, int]] = field(default_factory=list)  # character spans of matched words in content
+
+    EXPLANATION = ("dense_rank", "dense_score", "lexical_rank", "lexical_score", "dense_rrf", "lexical_rrf",
+                   "matched_terms", "exact", "tie_broken", "highlights")
 
     def as_dict(self, debug: bool = False) -> dict:
         data = asdict(self)
         if not debug:
-            for key in ("dense_rank", "dense_score", "lexical_rank", "lexical_score"):
+            for key in self.EXPLANATION:
                 data.pop(key)
         return data
 
@@ -153,37 +157,113 @@ def _prepare(conn: psycopg.Connection, candidates: int) -> None:
                  " set_config('hnsw.max_scan_tuples', %s, false)", (str(ef_search), str(MAX_SCAN_TUPLES)))
 
 
-def search(conn: psycopg.Connection, embedder: Embedder, query: str, k: int = 5, *, arm: str = "hybrid",
-           lexical_weight: float | None = None, k_overfetch: int = 20, filters: Filters | None = None,
-           model_key: str | None = None, vector: np.ndarray | None = None) -> list[Hit]:
-    """Top-k chunks for a query. `arm` picks dense, lexical or both fused; lexical_weight None lets the
-    query classifier choose. `vector` is the query's embedding when the caller already has it."""
+WITHIN = "SELECT c.chunk_id FROM chunks c JOIN documents d ON d.document_id = c.document_id WHERE {} LIMIT %(limit)s"
+
+
+def _within(conn: psycopg.Connection, filters: Filters, predicate: sql.Composable, params: dict) -> list[int] | None:
+    """The chunks a narrowing filter matches, when they are few enough to score one by one (None otherwise)."""
+    if not filters.narrows:
+        return None
+    rows = conn.execute(sql.SQL(WITHIN).format(predicate), {**params, "limit": FILTER_FIRST_MAX + 1}).fetchall()
+    return [r[0] for r in rows] if len(rows) <= FILTER_FIRST_MAX else None
+
+
+def search_explained(conn: psycopg.Connection, embedder: Embedder, query: str, k: int = 5, *, arm: str = "hybrid",
+                     lexical_weight: float | None = None, k_overfetch: int = 20, filters: Filters | None = None,
+                     model_key: str | None = None, vector: np.ndarray | None = None,
+                     exact_first: bool = True) -> tuple[QueryClass, list[Hit]]:
+    """Top-k chunks for a query, and how the query was read. `arm` picks dense, lexical or both fused;
+    lexical_weight None lets the query classifier choose. With exact_first, a chunk holding a code the query asks
+    about is never ranked below one that does not. `vector` is the query's embedding when the caller has it."""
     if arm not in ARMS:
         raise ValueError(f"arm must be one of {ARMS}")
-    filters = filters or Filters()
-    weight = {"dense": 0.0, "lexical": 1.0}.get(arm, lexical_weight if lexical_weight is not None else lexical_weight_for(query))
-    if not 0 <= weight <= 1:
+    if lexical_weight is not None and not 0 <= lexical_weight <= 1:
         raise ValueError("lexical_weight must be between 0 and 1")
-    n = max(k_overfetch, k)
+    filters = filters or Filters()
     visible = visible_sources(conn, filters.groups, filters.source_id)
+    query_class = classify(conn, query, list(visible.values()), {"dense": 0.0, "lexical": 1.0}.get(arm, lexical_weight))
     if not visible:
-        return []
+        return query_class, []
+    n = max(k_overfetch, k)
     if vector is None:
         vector = embed_query(embedder, query) if arm != "lexical" else np.zeros(embedder.dimensions, dtype=np.float32)
     predicate, params = filters.predicate()
+    params["visible_sources"] = list(visible)
+    within = _within(conn, filters, predicate, params)
     statement = sql.SQL(HYBRID).format(vectors=vector_table(conn, model_key or embedder.model_key), filters=predicate)
     _prepare(conn, n)
+    pruned = within is None and not filters.narrows
     rows = conn.execute(statement, {
-        **params, "visible_sources": list(visible), "source_keys": list(visible.values()),
-        "query": query, "vector": vector, "k": k, "rrf_k": RRF_K, "lexical_weight": weight,
+        **params, "source_keys": list(visible.values()), "within": within,
+        "query": query, "vector": vector, "rrf_k": RRF_K, "lexical_weight": query_class.lexical_weight,
         "dense_n": n if arm != "lexical" else 0, "lexical_n": n if arm != "dense" else 0,
-        "bm25_k1": BM25_K1, "bm25_b": BM25_B,
-        "posting_budget": None if filters.narrows else POSTING_BUDGET,
-        "rescore_n": None if filters.narrows else max(RESCORE_MIN, 10 * n),
+        "bm25_k1": BM25_K1, "bm25_b": BM25_B, "common_share": COMMON_SHARE,
+        "posting_budget": POSTING_BUDGET if pruned else None,
+        "rescore_n": max(RESCORE_MIN, 10 * n) if pruned else None,
     }).fetchall()
-    return [Hit(*row) for row in rows]
+    hits = [Hit(*row) for row in rows]
+    if arm == "hybrid":
+        hits = arrange(hits, query_class, exact_first)
+    return query_class, hits[:k]
+
+
+def search(conn: psycopg.Connection, embedder: Embedder, query: str, k: int = 5, **options) -> list[Hit]:
+    """Top-k chunks for a query (see search_explained)."""
+    return search_explained(conn, embedder, query, k, **options)[1]
+
+
+def arrange(hits: list[Hit], query_class: QueryClass, exact_first: bool = True) -> list[Hit]:
+    """The final order of fused candidates (sorted by fused score). Near-ties (fused scores within TIE_SHARE) are
+    ordered by the arms' own scores, min-max normalised over the candidates and weighted like the fusion: RRF
+    keeps only ranks, and near a tie the score margins are the evidence left. Then, with exact_first, chunks that
+    hold more of the query's codes come first, each group keeping that order."""
+    weight = query_class.lexical_weight
+    evidence = [(1 - weight) * d + weight * lx for d, lx in zip(_normalised([h.dense_score for h in hits]),
+                                                                  _normalised([h.lexical_score for h in hits]))]
+    ordered: list[Hit] = []
+    group: list[tuple[Hit, float]] = []
+    for hit, strength in zip(hits, evidence):
+        if group and hit.score < group[-1][0].score * (1 - TIE_SHARE):
+            ordered += _by_evidence(group)
+            group = []
+        group.append((hit, strength))
+    ordered += _by_evidence(group)
+    for hit in ordered:
+        hit.exact = [code for code, term in zip(query_class.identifiers, query_class.identifier_terms)
+                     if term in hit.matched_terms]
+    if exact_first and query_class.identifier_terms:
+        ordered.sort(key=lambda h: -len(h.exact))  # stable: the order above holds within each group
+    return ordered
+
+
+def _normalised(values: list[float | None]) -> list[float]:
+    present = [v for v in values if v is not None]
+    low, high = (min(present), max(present)) if present else (0.0, 0.0)
+    return [0.0 if v is None or high == low else (v - low) / (high - low) for v in values]
+
+
+def _by_evidence(group: list[tuple[Hit, float]]) -> list[Hit]:
+    reordered = sorted(group, key=lambda pair: -pair[1])
+    for (before, _), (after, _) in zip(group, reordered):
+        if before is not after:
+            after.tie_broken = True
+    return [hit for hit, _ in reordered]
 
 
 def dense_search(conn: psycopg.Connection, embedder: Embedder, query: str, k: int = 5,
                  as_of: datetime | None = None) -> list[Hit]:
     return search(conn, embedder, query, k, arm="dense", k_overfetch=k, filters=Filters(as_of=as_of))
+
+
+_WORD = re.compile(r"[A-Za-z0-9]+(?:[-_./][A-Za-z0-9]+)*|\w+")
+
+
+def add_highlights(conn: psycopg.Connection, hits: list[Hit]) -> None:
+    """Mark the words of each hit's content that gave it its matched terms (their lexemes, as kb_lexemes makes
+    them: stemmed words and identifiers in compact form), as character spans for the console to highlight."""
+    words = sorted({m.group() for hit in hits for m in _WORD.finditer(hit.content)})
+    lexemes = dict(conn.execute("SELECT w, tsvector_to_array(kb_lexemes(w)) FROM unnest(%s::text[]) AS w",
+                                (words,)).fetchall())
+    for hit in hits:
+        matched = set(hit.matched_terms)
+        hit.highlights = [(m.start(), m.end()) for m in _WORD.finditer(hit.content) if matched & set(lexemes[m.group()])]

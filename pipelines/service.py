@@ -5,7 +5,8 @@ from __future__ import annotations
 import psycopg
 
 from pipelines.embedders import Embedder, embedder_for
-from pipelines.search import Filters, embed_query, search, visible_sources
+from pipelines.search import (RRF_K, TIE_SHARE, Filters, add_highlights, embed_query, search_explained,
+                              visible_sources)
 from pipelines.settings import Settings
 from pipelines.vector_store import active_model
 
@@ -46,7 +47,7 @@ def _reranker(settings: Settings):
 def run_search(conn: psycopg.Connection, settings: Settings, query: str, k: int = 5, *, arm: str = "hybrid",
                lexical_weight: float | None = None, k_overfetch: int = 20, filters: Filters | None = None,
                debug: bool = False, mode: str = "chunks", rerank: bool = True, diversity: float = 0.0,
-               freshness: float = 0.0) -> dict:
+               freshness: float = 0.0, exact_first: bool = True) -> dict:
     """Search with the active model (queries must be embedded in the vector space being served). The optional
     stages (reranker when configured, MMR diversity, freshness boost) work on the over-fetched candidates."""
     model = _serving_model(conn)
@@ -55,8 +56,9 @@ def run_search(conn: psycopg.Connection, settings: Settings, query: str, k: int 
     reranker = _reranker(settings) if rerank else None
     post = reranker is not None or diversity > 0 or freshness > 0
     vector = embed_query(embedder, query) if arm != "lexical" or diversity > 0 else None  # embedded once, used twice
-    hits = search(conn, embedder, query, max(k_overfetch, k) if post else k, arm=arm, lexical_weight=lexical_weight,
-                  k_overfetch=k_overfetch, filters=filters, model_key=model, vector=vector)
+    query_class, hits = search_explained(conn, embedder, query, max(k_overfetch, k) if post else k, arm=arm,
+                                         lexical_weight=lexical_weight, k_overfetch=k_overfetch, filters=filters,
+                                         model_key=model, vector=vector, exact_first=exact_first)
     if post:
         from pipelines.rerank import freshness_boost, mmr
 
@@ -67,10 +69,16 @@ def run_search(conn: psycopg.Connection, settings: Settings, query: str, k: int 
         if diversity > 0:
             hits = mmr(conn, model, vector, hits, k, diversity)
         hits = hits[:k]
-    return {
+    if debug:
+        add_highlights(conn, hits)
+    response = {
         "query": query, "k": k, "source_id": filters.source_id, "mode": mode, "arm": arm,
         "chunks": [hit.as_dict(debug) for hit in hits],
     }
+    if debug:
+        response["explain"] = {**query_class.as_dict(), "exact_first": exact_first, "tie_share": TIE_SHARE,
+                               "rrf_k": RRF_K}
+    return response
 
 
 def run_citation_check(conn: psycopg.Connection, settings: Settings, claims: list[dict], retrieved: list[int],

@@ -31,7 +31,7 @@ def test_search_returns_the_documented_shape(client):
     response = client.get("/v1/knowledge/search", params={"q": "fault code F-204"})
     assert response.status_code == 200
     body = response.json()
-    assert set(body) == {"query", "k", "source_id", "mode", "chunks"}
+    assert set(body) == {"query", "k", "source_id", "mode", "arm", "chunks"}
     assert body["k"] == 5 and body["mode"] == "chunks" and len(body["chunks"]) == 5
     first = body["chunks"][0]
     assert {"content", "source", "score"} <= set(first) and "dense_rank" not in first
@@ -101,11 +101,15 @@ def console_dom(settings, url_path: str) -> str:
         thread.join(timeout=10)
 
 
-def test_console_page_shows_results_with_per_arm_ranks(settings, ingested):
-    dom = console_dom(settings, "/?q=AVX-039%20fault%20codes")
+def test_console_explains_the_ranking_and_highlights_matches(settings, ingested):
+    dom = console_dom(settings, "/?q=What%20does%20error%2042P07%20mean%3F")
     assert dom.count('class="hit"') == 5
-    assert "samples:products/avx-series-manual.html" in dom
-    assert "lexical (BM25) #1" in dom and "dense #" in dom
+    assert "samples:ops/postgres-runbook.txt" in dom
+    assert "identifier query" in dom and "lexical weight 0.7" in dom and "42P07: a code in few readable chunks" in dom
+    assert "lexical (BM25) #1" in dom and "dense #" in dom and "RRF +" in dom
+    assert "<mark>42P07</mark>" in dom and "holds 42P07" in dom
+    for control in ('id="source"', 'id="arm"', 'id="weight"', 'id="asof"', 'id="groups"', 'id="exact"'):
+        assert control in dom  # the console offers the CLI's filters
 
 
 def test_console_reads_with_the_key_it_is_given(settings, conn, ingested):

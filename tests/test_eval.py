@@ -53,7 +53,7 @@ def test_kb_eval_on_a_scifact_slice(settings, scifact_slice):
     result = CliRunner().invoke(main, ["eval", str(scifact_slice), "--split", "train", "--json", "--misses",
                                        "--database-url", settings.database_url])
     assert result.exit_code == 0, result.output
-    data = json.loads(result.stdout)
+    data = json.loads(result.stdout)[scifact_slice.name]
     assert data["queries"] == 30 and data["ingest"]["documents_published"] == data["ingest"]["documents_seen"]
     metrics = {name: r["metrics"] for name, r in data["results"].items()}
     # Known numbers for this slice (default int8 all-MiniLM-L6-v2; fp32 gave dense hit@5 0.9333, nDCG 0.8748).
@@ -65,6 +65,28 @@ def test_kb_eval_on_a_scifact_slice(settings, scifact_slice):
 
 KNOWN = {
     "dense": {"hit@1": 0.8, "hit@5": 0.9, "mrr@10": 0.8492, "ndcg@10": 0.8692, "recall@100": 1.0},
-    "lexical": {"hit@1": 0.7, "hit@5": 0.8667, "mrr@10": 0.7778, "ndcg@10": 0.7968, "recall@100": 0.9667},
-    "hybrid": {"hit@1": 0.6667, "hit@5": 0.9, "mrr@10": 0.769, "ndcg@10": 0.8165, "recall@100": 1.0},
+    "lexical": {"hit@1": 0.7, "hit@5": 0.8667, "mrr@10": 0.7778, "ndcg@10": 0.7991, "recall@100": 0.9667},
+    # Issue 11 (document frequency from chunk texts, near-ties by the arms' scores, codes first): hit@1 0.6667 ->
+    # 0.6, hit@5 0.9 -> 0.9667 on these 30 queries; the full train split gains nDCG@10 (bench/README.md).
+    "hybrid": {"hit@1": 0.6, "hit@5": 0.9667, "mrr@10": 0.74, "ndcg@10": 0.7981, "recall@100": 1.0},
 }
+
+
+def test_identifier_set_from_the_samples_is_found_in_full(settings, tmp_path):
+    """Codes of every kind from the bundled samples, bare and inside questions: the hybrid search puts the chunk
+    that holds each one in the top 5 (issue 11: a question holding a digits-only code used to miss)."""
+    from bench.identifier_sets import samples_set
+
+    counts = samples_set(tmp_path / "ids-samples")
+    assert counts["digits"] and counts["mixed"] and counts["name"]
+    result = CliRunner().invoke(main, ["eval", str(tmp_path / "ids-samples"), "--json", "--database-url",
+                                       settings.database_url])
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.stdout)["ids-samples"]
+    hybrid = report["results"]["hybrid"]
+    assert hybrid["metrics"]["hit@5"] == 1.0
+    assert {group: values["hit@5"] for group, values in hybrid["groups"].items()} == {
+        group: 1.0 for group in hybrid["groups"]}
+    assert set(hybrid["groups"]) >= {"form=bare", "form=question", "kind=digits", "kind=mixed", "kind=name"}
+    assert report["results"]["dense"]["metrics"]["hit@5"] < 1.0
+    assert report["classifier"].get("identifier", 0) >= counts["digits"]

@@ -1,26 +1,29 @@
 -- BM25 bookkeeping, kept current by triggers on `chunks` (created in sql/003 and sql/004).
 --
--- Every chunk that becomes live adds one posting per lexeme to lexical_postings and +1 to its source's document
--- frequency of each lexeme in lexical_terms, plus its length to the source's lexical_stats; a chunk that stops
--- being live subtracts the same. Statistics are per source so that search can sum them over the sources a
--- caller may read (sql/queries/hybrid_search.sql).
+-- Every chunk that becomes live adds one posting per lexeme of its embedded text to lexical_postings (flagged
+-- in_body when the chunk's own text, not only its title/section prefix, holds the lexeme), +1 to its source's
+-- postings count of each lexeme and, for in_body lexemes, +1 to the document frequency in lexical_terms, plus its
+-- length to the source's lexical_stats; a chunk that stops being live subtracts the same. Statistics are per
+-- source so that search can sum them over the sources a caller may read (sql/queries/hybrid_search.sql).
 
 CREATE OR REPLACE FUNCTION kb_lexical_apply(entered bigint[], left_ bigint[]) RETURNS void
 LANGUAGE sql AS $$
-    WITH changed AS (
-        SELECT s.sign, src.source_key, c.search_tsv, c.lexical_length
-        FROM (SELECT unnest(entered) AS chunk_id, 1 AS sign UNION ALL SELECT unnest(left_), -1) s
+    WITH moved AS (
+        SELECT unnest(entered) AS chunk_id, 1 AS sign UNION ALL SELECT unnest(left_), -1
+    ), changed AS (
+        SELECT m.sign, src.source_key, c.lexical_length
+        FROM moved m
         JOIN chunks c USING (chunk_id)
         JOIN documents d USING (document_id)
         JOIN sources src USING (source_id)
     ), delta AS (
-        SELECT ch.source_key, u.lexeme AS term, sum(ch.sign) AS df
-        FROM changed ch, unnest(ch.search_tsv) AS u
+        SELECT p.source_key, p.term, sum(m.sign) FILTER (WHERE p.in_body) AS df, sum(m.sign) AS postings
+        FROM moved m JOIN lexical_postings p USING (chunk_id)
         GROUP BY 1, 2
     ), terms AS (  -- a data-modifying CTE always runs to completion
-        INSERT INTO lexical_terms AS t (term, source_key, df)
-        SELECT term, source_key, df FROM delta WHERE df <> 0
-        ON CONFLICT (term, source_key) DO UPDATE SET df = t.df + excluded.df
+        INSERT INTO lexical_terms AS t (term, source_key, df, postings)
+        SELECT term, source_key, coalesce(df, 0), postings FROM delta WHERE postings <> 0
+        ON CONFLICT (term, source_key) DO UPDATE SET df = t.df + excluded.df, postings = t.postings + excluded.postings
     )
     INSERT INTO lexical_stats AS st (source_key, chunks, total_length)
     SELECT source_key, sum(sign), sum(sign * lexical_length) FROM changed GROUP BY source_key
@@ -30,12 +33,13 @@ $$;
 
 CREATE OR REPLACE FUNCTION kb_lexical_on_insert() RETURNS trigger LANGUAGE plpgsql AS $$
 BEGIN
-    INSERT INTO lexical_postings (term, chunk_id, tf, length, live, source_key)
+    INSERT INTO lexical_postings (term, chunk_id, tf, length, live, source_key, in_body)
     SELECT u.lexeme, n.chunk_id, coalesce(array_length(u.positions, 1), 1), n.lexical_length, n.valid_to IS NULL,
-           s.source_key
+           s.source_key, u.lexeme = ANY(b.lexemes)
     FROM new_rows n
     JOIN documents d USING (document_id)
-    JOIN sources s USING (source_id),
+    JOIN sources s USING (source_id)
+    CROSS JOIN LATERAL (SELECT tsvector_to_array(kb_lexemes(n.text)) AS lexemes) b,
     unnest(n.search_tsv) AS u;
     PERFORM kb_lexical_apply(ARRAY(SELECT chunk_id FROM new_rows WHERE valid_to IS NULL), '{}');
     RETURN NULL;
