@@ -94,6 +94,14 @@ def published_chunks(context: dg.AssetExecutionContext, kb: KnowledgeBase) -> dg
     return run_stage(context, kb, "publish", "chunks_written")
 
 
+@dg.asset(deps=[published_chunks], partitions_def=sources, group_name=EMBEDDINGS, kinds={"openai", "postgres"},
+          pool="embedding_model", retry_policy=dg.RetryPolicy(max_retries=2, delay=10))
+def qa_cards(context: dg.AssetExecutionContext, kb: KnowledgeBase) -> dg.MaterializeResult:
+    """Question -> answer cards of the new chunks (FAQ rules, and the chat model when KB_CHAT_MODEL is set),
+    cached by text, versioned and searched like chunks."""
+    return run_stage(context, kb, "cards", "cards")
+
+
 @dg.asset_check(asset=published_chunks, blocking=True)
 def every_live_chunk_is_searchable(kb: KnowledgeBase) -> dg.AssetCheckResult:
     """Each live chunk fits the model's input and has a vector for the current model."""
@@ -119,5 +127,5 @@ def golden_set_hit_rate(kb: KnowledgeBase) -> dg.AssetCheckResult:
                   "misses": dg.MetadataValue.md("\n".join(f"- {m['query']} -> {m['document']}" for m in result["misses"]) or "none")})
 
 
-ASSETS = [source_documents, parsed_elements, chunk_drafts, enriched_chunks, chunk_embeddings, published_chunks]
+ASSETS = [source_documents, parsed_elements, chunk_drafts, enriched_chunks, chunk_embeddings, published_chunks, qa_cards]
 CHECKS = [every_live_chunk_is_searchable, golden_set_hit_rate]

@@ -94,6 +94,30 @@ def latencies(url: str, settings, vectors: np.ndarray, queries: list[str], filte
         return out
 
 
+RECALL_QUERIES = 50
+
+
+def recall_against_exact(url: str, settings, vectors: np.ndarray, queries: list[str], filters_for) -> float:
+    """Share of the top-10 chunk ids that exact search (no posting budget, no chunk-by-chunk shortcut) also
+    returns, over RECALL_QUERIES queries: what pruning and the filter paths cost in results."""
+    import pipelines.search as search_module
+    from pipelines.database import connect
+
+    with connect(dataclasses.replace(settings, database_url=url)) as conn:
+        found = total = 0
+        for i, query in enumerate(queries[:RECALL_QUERIES]):
+            options = dict(k_overfetch=20, lexical_weight=0.5, filters=filters_for(i), vector=vectors[i], model_key=MODEL_KEY)
+            fast = {h.chunk_id for h in search_module.search(conn, None, query, 10, **options)}
+            budget, first = search_module.POSTING_BUDGET, search_module.FILTER_FIRST_MAX
+            search_module.POSTING_BUDGET, search_module.FILTER_FIRST_MAX = 10**12, 0
+            try:
+                exact = {h.chunk_id for h in search_module.search(conn, None, query, 10, **options)}
+            finally:
+                search_module.POSTING_BUDGET, search_module.FILTER_FIRST_MAX = budget, first
+            found, total = found + len(fast & exact), total + len(exact)
+        return round(found / max(total, 1), 4)
+
+
 def summary(seconds: list[float]) -> dict:
     ms = sorted(t * 1000 for t in seconds)
     return {"median_ms": round(statistics.median(ms), 2), "p95_ms": round(ms[int(0.95 * len(ms)) - 1], 2)}
@@ -113,7 +137,9 @@ def measure(url: str, settings, size: int) -> dict:
     queries = [" ".join(words(rng, 4)) for _ in range(QUERIES)]
     vectors = unit_vectors(rng, QUERIES)
     latencies(url, settings, vectors[:20], queries[:20])  # warm caches
-    single = {name: summary(latencies(url, settings, vectors, queries, filters_for)) for name, filters_for in CALLERS.items()}
+    single = {name: {**summary(latencies(url, settings, vectors, queries, filters_for)),
+                     "recall_vs_exact": recall_against_exact(url, settings, vectors, queries, filters_for)}
+              for name, filters_for in CALLERS.items()}
     started = time.perf_counter()
     with ThreadPoolExecutor(4) as pool:
         per_client = list(pool.map(lambda i: latencies(url, settings, np.roll(vectors, i, axis=0), queries[i:] + queries[:i]),

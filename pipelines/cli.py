@@ -162,10 +162,13 @@ def _readers(groups) -> str:
 @click.option("--diversity", default=0.0, type=click.FloatRange(0, 1), help="MMR diversity over the candidates (0: off).")
 @click.option("--freshness", default=0.0, type=click.FloatRange(0, None), help="Boost for recent documents (0: off).")
 @click.option("--no-rerank", is_flag=True, help="Skip the configured reranker (KB_RERANK).")
-@click.option("--debug", is_flag=True, help="Show each result's rank and score in each arm.")
+@click.option("--no-exact-first", is_flag=True,
+              help="Do not put chunks that hold a code the query asks about ahead of the others.")
+@click.option("--debug", is_flag=True, help="Explain the ranking: the query's class, weight and why; each result's rank,"
+                                            " score and RRF share in each arm, and the query terms it holds.")
 @click.option("--json", "as_json", is_flag=True)
 def search(query, k, source_id, arm, lexical_weight, k_overfetch, groups, as_of, diversity, freshness, no_rerank,
-           debug, as_json) -> None:
+           no_exact_first, debug, as_json) -> None:
     """Hybrid search: dense vectors + BM25, fused with weighted Reciprocal Rank Fusion."""
     from pipelines.database import connect
     from pipelines.search import Filters
@@ -179,15 +182,32 @@ def search(query, k, source_id, arm, lexical_weight, k_overfetch, groups, as_of,
         try:
             data = run_search(conn, settings, query, k, arm=arm, lexical_weight=lexical_weight,
                               k_overfetch=k_overfetch, filters=filters, debug=debug, rerank=not no_rerank,
-                              diversity=diversity, freshness=freshness)
+                              diversity=diversity, freshness=freshness, exact_first=not no_exact_first)
         except EmptyKnowledgeBase as exc:
             raise click.ClickException(str(exc)) from exc
     text = "\n\n".join(
         f"{i}. [{c['score']:.4f}] {c['source']}:{c['document']}"
         + (f" > {' > '.join(c['section_path'])}" if c["section_path"] else "")
-        + (f"  (dense #{c['dense_rank']}, lexical #{c['lexical_rank']})" if debug else "")
+        + (f"\n   {_explained(c)}" if debug else "")
         + f"\n   {c['content'][:300]}" for i, c in enumerate(data["chunks"], 1)) or "no results"
+    if debug:
+        e = data["explain"]
+        text = f"{e['kind']} query, lexical weight {e['lexical_weight']:g}: {e['reason']}\n\n{text}"
     _emit(data, as_json, text)
+
+
+def _explained(chunk: dict) -> str:
+    def arm(name: str, score_format: str) -> str:
+        if chunk[f"{name}_rank"] is None:
+            return f"{name}: not in its top"
+        return (f"{name} #{chunk[f'{name}_rank']} ({format(chunk[f'{name}_score'], score_format)},"
+                f" RRF +{chunk[f'{name}_rrf']:.4f})")
+    parts = [arm("dense", ".3f"), arm("lexical", ".2f"), "terms " + (", ".join(chunk["matched_terms"]) or "-")]
+    if chunk["exact"]:
+        parts.append("holds " + ", ".join(chunk["exact"]))
+    if chunk["tie_broken"]:
+        parts.append("near-tie ordered by the arms' scores")
+    return "; ".join(parts)
 
 
 @main.command()

@@ -112,3 +112,20 @@ def store_vectors(conn: psycopg.Connection, table: sql.Identifier, hashes: list[
                         ("text_hash", "embedding"), zip(hashes, vectors), types=("text", "vector"))
         return conn.execute(sql.SQL("INSERT INTO {} SELECT * FROM kb_vectors ON CONFLICT (text_hash) DO NOTHING")
                             .format(table)).rowcount
+
+
+def ensure_vectors(conn: psycopg.Connection, embedder: Embedder, texts: dict[str, str]) -> set[str]:
+    """Vectors for these {text hash: text} that the model's table lacks, checked and stored; returns the hashes
+    whose vector the model got wrong (not stored)."""
+    table = ensure_vector_store(conn, embedder.model_key, embedder.dimensions)
+    stored = {r[0] for r in conn.execute(sql.SQL("SELECT text_hash FROM {} WHERE text_hash = ANY(%s)")
+                                         .format(sql.Identifier(table)), (list(texts),))}
+    missing = [h for h in texts if h not in stored]
+    if not missing:
+        return set()
+    computed = embedder.embed([texts[h] for h in missing])
+    bad = invalid_vectors(computed, len(missing), embedder.dimensions)
+    keep = [i for i in range(len(missing)) if i not in bad]
+    if keep:
+        store_vectors(conn, sql.Identifier(table), [missing[i] for i in keep], computed[keep])
+    return {missing[i] for i in bad}

@@ -3,8 +3,8 @@
 
 A run is a row in `ingest_runs`. Each stage writes its report there as it finishes, so a run whose stages are
 Dagster assets in separate processes adds up to the same counters as one `kb ingest`, and `kb status` shows the
-last run whichever entry point started it. The last stage (publish) finishes the run: it switches search to a
-fully embedded new model and records the run's counters.
+last run whichever entry point started it. The last stage (cards, after publish) finishes the run: it switches search
+to a fully embedded new model and records the run's counters.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from typing import Callable
 import psycopg
 from psycopg.types.json import Jsonb
 
+from pipelines.cards import generate_cards
 from pipelines.drafts import chunk_pending, enrich_pending
 from pipelines.embedders import Embedder, embedder_for
 from pipelines.embedding import embed_pending
@@ -30,7 +31,7 @@ from pipelines.vector_store import activate_if_complete, model_tables
 ProgressFactory = Callable[[str, int | None], Callable[[int], None]]
 
 EXIT_FILE_FAILURES = 3  # documented in README: the run finished, but some files failed
-STAGES = ("extract", "parse", "chunk", "enrich", "embed", "publish")
+STAGES = ("extract", "parse", "chunk", "enrich", "embed", "publish", "cards")
 
 
 @dataclass
@@ -60,6 +61,7 @@ class IngestSummary:
             "chunks_closed": pu["chunks_closed"],
             "embeddings_computed": em["computed"],
             "embeddings_reused": em["reused"],
+            "cards_written": self.stage("cards").counts["cards"],
             "elapsed_s": {s.stage: s.elapsed_s for s in self.stages},
         }
 
@@ -153,6 +155,11 @@ class IngestRun:
 
     def _publish(self) -> StageReport:
         return publish_ready(self.conn, self.source_ids, batch_size=self.settings.batch_documents)
+
+    def _cards(self) -> StageReport:
+        models = [self.embedder] + [embedder_for(key, self.settings) for key in model_tables(self.conn)
+                                    if key != self.embedder.model_key]
+        return generate_cards(self.conn, self.settings, models, self.source_ids)
 
 
 def ingest(conn: psycopg.Connection, embedder: Embedder, settings: Settings, source_ids: list[str] | None = None,

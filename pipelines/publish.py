@@ -77,7 +77,8 @@ def publish_batch(conn: psycopg.Connection, batch: list[tuple[int, str]], report
                 sql.SQL(", ").join(map(sql.Identifier, DRAFT_FIELDS))), (ids,)).fetchall()
         live = conn.execute(
             sql.SQL("SELECT document_id, chunk_id, text_hash, {}, chunker_version, enrich_version FROM chunks"
-                    " WHERE document_id = ANY(%s) AND valid_to IS NULL ORDER BY document_id, ordinal").format(
+                    " WHERE document_id = ANY(%s) AND valid_to IS NULL AND kind <> 'card'"
+                    " ORDER BY document_id, ordinal").format(
                 sql.SQL(", ").join(map(sql.Identifier, MUTABLE))), (ids,)).fetchall()
         drafts_by_doc, live_by_doc = defaultdict(list), defaultdict(list)
         for row in drafts:
@@ -91,8 +92,9 @@ def publish_batch(conn: psycopg.Connection, batch: list[tuple[int, str]], report
             inserts += i
             closed += c
             versions.append((doc_id, content_hash, len(i), len(c), len(drafts_by_doc[doc_id]) - len(i)))
-        if closed:
-            conn.execute("UPDATE chunks SET valid_to = now() WHERE chunk_id = ANY(%s)", (closed,))
+        if closed:  # a closed chunk's Q&A cards close with it
+            conn.execute("UPDATE chunks SET valid_to = now() WHERE (chunk_id = ANY(%(ids)s) OR source_chunk_id = ANY(%(ids)s))"
+                         " AND valid_to IS NULL", {"ids": closed})
         if kept:
             bulk.stage_rows(conn, "kb_kept", KEPT_SHAPE, ("chunk_id",) + MUTABLE, kept)
             conn.execute(UPDATE_KEPT, {"chunker": CHUNKER_VERSION, "enricher": ENRICH_VERSION})

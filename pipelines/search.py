@@ -11,6 +11,7 @@ documents it cannot read.
 from __future__ import annotations
 
 import re
+import dataclasses
 from dataclasses import asdict, dataclass, field
 from datetime import date, datetime
 
@@ -18,6 +19,7 @@ import numpy as np
 import psycopg
 from psycopg import sql
 
+from pipelines.cards import CARD_KIND as CARD
 from pipelines.embedders import Embedder
 from pipelines.query_class import QueryClass, classify
 from pipelines.settings import SQL_DIR
@@ -49,6 +51,8 @@ FILTER_FIRST_MAX = 20_000
 # over the candidates and weighted like the fusion) decide their order.
 TIE_SHARE = 0.01
 ARMS = ("hybrid", "dense", "lexical")
+# Search modes and the Q&A cards each reads (pipelines/cards.py): chunks only, cards only, or cards ahead of chunks.
+MODES = {"chunks": "exclude", "qa_only": "only", "qa_first": "include"}
 
 
 @dataclass
@@ -60,19 +64,23 @@ class Filters:
     entities: dict | None = None  # JSONB containment, e.g. {"codes": ["AVX-039"]}
     groups: list[str] = field(default_factory=list)  # the caller's groups: restricted sources need one of them
     as_of: datetime | None = None
+    cards: str = "exclude"  # Q&A cards: "exclude" (chunks only), "only" (cards only) or "include" (both)
 
     @property
     def narrows(self) -> bool:
         """True when the filters may exclude most of a source's chunks, which pruned BM25 could then miss.
         (Sources, and so access groups and source filters, are applied before pruning; as-of reads prune over the
         postings of chunks valid at that time.)"""
-        return any(getattr(self, name) is not None for name in ("doc_format", "date_from", "date_to", "entities"))
+        return self.cards == "only" or any(getattr(self, name) is not None
+                                           for name in ("doc_format", "date_from", "date_to", "entities"))
 
     def predicate(self) -> tuple[sql.Composable, dict]:
         """The chunk filter both arms apply; `visible_sources` is filled in from `visible_sources()`."""
         parts = [sql.SQL("c.valid_to IS NULL") if self.as_of is None else
                  sql.SQL("c.valid_from <= %(as_of)s AND (c.valid_to IS NULL OR c.valid_to > %(as_of)s)"),
                  sql.SQL("d.source_id = ANY(%(visible_sources)s)")]
+        if self.cards != "include":
+            parts.append(sql.SQL("c.kind = 'card'") if self.cards == "only" else sql.SQL("c.kind <> 'card'"))
         params: dict = {"as_of": self.as_of}
         optional = {
             "doc_format": "d.doc_format = %(doc_format)s",
@@ -123,6 +131,9 @@ class Hit:
     matched_terms: list[str] = field(default_factory=list)  # the query's lexemes this chunk holds
     exact: list[str] = field(default_factory=list)  # the query's codes this chunk holds
     tie_broken: bool = False  # moved within a near-tie by the arms' own scores
+    kind: str = "text"  # text, table, or card (a Q&A card: content is its answer)
+    question: str | None = None  # a card's question
+    source_chunk_id: int | None = None  # a card's source chunk: what citations point at
     highlights: list[tuple[int, int]] = field(default_factory=list)  # character spans of matched words in content
 
     EXPLANATION = ("dense_rank", "dense_score", "lexical_rank", "lexical_score", "dense_rrf", "lexical_rrf",
@@ -171,15 +182,18 @@ def _within(conn: psycopg.Connection, filters: Filters, predicate: sql.Composabl
 def search_explained(conn: psycopg.Connection, embedder: Embedder, query: str, k: int = 5, *, arm: str = "hybrid",
                      lexical_weight: float | None = None, k_overfetch: int = 20, filters: Filters | None = None,
                      model_key: str | None = None, vector: np.ndarray | None = None,
-                     exact_first: bool = True) -> tuple[QueryClass, list[Hit]]:
+                     exact_first: bool = True, mode: str = "chunks") -> tuple[QueryClass, list[Hit]]:
     """Top-k chunks for a query, and how the query was read. `arm` picks dense, lexical or both fused;
     lexical_weight None lets the query classifier choose. With exact_first, a chunk holding a code the query asks
-    about is never ranked below one that does not. `vector` is the query's embedding when the caller has it."""
+    about is never ranked below one that does not. `mode` reads chunks, Q&A cards, or both with the cards that
+    make the top k ahead of the chunks. `vector` is the query's embedding when the caller has it."""
     if arm not in ARMS:
         raise ValueError(f"arm must be one of {ARMS}")
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {', '.join(MODES)}")
     if lexical_weight is not None and not 0 <= lexical_weight <= 1:
         raise ValueError("lexical_weight must be between 0 and 1")
-    filters = filters or Filters()
+    filters = dataclasses.replace(filters or Filters(), cards=MODES[mode])
     visible = visible_sources(conn, filters.groups, filters.source_id)
     query_class = classify(conn, query, list(visible.values()), {"dense": 0.0, "lexical": 1.0}.get(arm, lexical_weight))
     if not visible:
@@ -204,6 +218,8 @@ def search_explained(conn: psycopg.Connection, embedder: Embedder, query: str, k
     hits = [Hit(*row) for row in rows]
     if arm == "hybrid":
         hits = arrange(hits, query_class, exact_first)
+    if mode == "qa_first":  # stable: cards, then chunks, each in the order above
+        hits = sorted(hits[:k], key=lambda h: h.kind != CARD) + hits[k:]
     return query_class, hits[:k]
 
 
@@ -223,7 +239,7 @@ def arrange(hits: list[Hit], query_class: QueryClass, exact_first: bool = True) 
     ordered: list[Hit] = []
     group: list[tuple[Hit, float]] = []
     for hit, strength in zip(hits, evidence):
-        if group and hit.score < group[-1][0].score * (1 - TIE_SHARE):
+        if group and hit.score < group[0][0].score * (1 - TIE_SHARE):
             ordered += _by_evidence(group)
             group = []
         group.append((hit, strength))

@@ -43,6 +43,8 @@ class Settings:
     refresh_cron: str = "0 * * * *"
     rerank: str | None = None  # "cross-encoder" | "llm" | None (off)
     rerank_model: str = ""  # a local CrossEncoder path, or the chat model name for "llm"
+    chat_model: str | None = None  # an OpenAI-compatible chat model: Q&A cards, answers, HyDE (None: offline rules)
+    chat_concurrency: int = 4
     golden_set: Path = SAMPLES_DIR / "golden.jsonl"
     golden_floor: float = 0.8  # the asset check fails (and blocks downstream) below this hit@5
     config_path: Path | None = None  # the kb.toml that `kb source apply` reads by default
@@ -92,6 +94,8 @@ def load_settings() -> Settings:
         refresh_cron=env.get("KB_REFRESH_CRON", "0 * * * *"),
         rerank=env.get("KB_RERANK") or None,
         rerank_model=env.get("KB_RERANK_MODEL", ""),
+        chat_model=env.get("KB_CHAT_MODEL") or None,
+        chat_concurrency=int(env.get("KB_CHAT_CONCURRENCY", "4")),
         golden_set=Path(env.get("KB_GOLDEN_SET", str(SAMPLES_DIR / "golden.jsonl"))),
         golden_floor=float(env.get("KB_GOLDEN_FLOOR", "0.8")),
         config_path=_config_path(env),

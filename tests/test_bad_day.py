@@ -47,7 +47,7 @@ def live_texts(settings, locator: str) -> list[str]:
     with connect(settings) as conn:
         return [r[0] for r in conn.execute(
             "SELECT c.text FROM chunks c JOIN documents d USING (document_id)"
-            " WHERE d.locator = %s AND c.valid_to IS NULL ORDER BY c.ordinal", (locator,))]
+            " WHERE d.locator = %s AND c.valid_to IS NULL AND c.kind <> 'card' ORDER BY c.ordinal", (locator,))]
 
 
 def failing() -> dict[str, str]:

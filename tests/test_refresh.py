@@ -51,13 +51,14 @@ def run(conn, embedder, docs):
 def live_texts(conn, locator=POLICY):
     return [r[0] for r in conn.execute(
         "SELECT c.text FROM chunks c JOIN documents d USING (document_id) WHERE d.locator = %s AND c.valid_to IS NULL"
+        " AND c.kind <> 'card'"
         " ORDER BY c.ordinal", (locator,))]
 
 
 def test_editing_one_section_re_embeds_only_its_chunks_and_keeps_history(conn, embedder, samples_copy):
     run(conn, embedder, samples_copy)
     before = live_texts(conn)
-    ids_before = dict(conn.execute("SELECT text, chunk_id FROM chunks WHERE valid_to IS NULL").fetchall())
+    ids_before = dict(conn.execute("SELECT text, chunk_id FROM chunks WHERE valid_to IS NULL AND kind <> 'card'").fetchall())
     time.sleep(0.05)
     between = datetime.now(timezone.utc)
     time.sleep(0.05)
@@ -72,7 +73,8 @@ def test_editing_one_section_re_embeds_only_its_chunks_and_keeps_history(conn, e
     assert [t for t in after if t not in before] == [t for t in after if "12 days" in t]
     for text in after:  # untouched chunks keep their rows (and so their vectors)
         if text in ids_before:
-            assert conn.execute("SELECT chunk_id FROM chunks WHERE text = %s AND valid_to IS NULL", (text,)).fetchone()[0] == ids_before[text]
+            assert conn.execute("SELECT chunk_id FROM chunks WHERE text = %s AND valid_to IS NULL AND kind <> 'card'",
+                                (text,)).fetchone()[0] == ids_before[text]
     closed = conn.execute("SELECT text FROM chunks WHERE valid_to IS NOT NULL").fetchall()
     assert len(closed) == 1 and "10 days" in closed[0][0]
 
@@ -125,7 +127,8 @@ def test_chunker_version_bump_rechunks_from_stored_elements_without_parsing(conn
     assert summary.stage("parse").counts["parsed"] == 0
     assert summary.stage("chunk").counts["documents"] == 9
     assert summary.counters()["embeddings_computed"] == 0  # same chunk texts: the vectors are reused
-    versions = {r[0] for r in conn.execute("SELECT DISTINCT chunker_version FROM chunks WHERE valid_to IS NULL")}
+    versions = {r[0] for r in conn.execute("SELECT DISTINCT chunker_version FROM chunks WHERE valid_to IS NULL"
+                                           " AND kind <> 'card'")}
     assert versions == {"chunker-test-bump"}
 
 

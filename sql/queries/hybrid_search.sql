@@ -121,7 +121,8 @@ SELECT f.chunk_id, d.source_id, d.locator, d.title, c.section_path, c.text, c.en
                  CROSS JOIN corpus), 0) AS lexical_score,
        f.dense_rrf, f.lexical_rrf,
        ARRAY(SELECT p.term FROM query_terms q JOIN lexical_postings p ON p.chunk_id = f.chunk_id AND p.term = q.term
-             ORDER BY p.term) AS matched_terms
+             ORDER BY p.term) AS matched_terms,
+       ARRAY[]::text[] AS exact, false AS tie_broken, c.kind, c.question, c.source_chunk_id
 FROM fused f
 JOIN chunks c ON c.chunk_id = f.chunk_id
 JOIN documents d ON d.document_id = c.document_id
