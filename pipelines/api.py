@@ -81,6 +81,17 @@ def _text(value: str | None) -> str | None:
     return value
 
 
+class AnswerRequest(BaseModel):
+    question: str = Field(min_length=1, max_length=2000)
+    k: int = Field(5, ge=1, le=20, description="Contexts given to the answer.")
+    mode: Literal["chunks", "qa_first", "qa_only"] = "qa_first"
+    source_id: str | None = None
+    groups: list[str] | None = Field(None, description="Read as only these of the key's groups.")
+    as_of: datetime | None = None
+    hyde: bool = Field(False, description="Search with the embedding of a hypothetical answer (needs a chat model).")
+    compress: bool = Field(False, description="Keep only the context sentences that bear on the question.")
+
+
 class Claim(BaseModel):
     text: str = Field(min_length=1)
     citations: list[int]
@@ -152,8 +163,6 @@ def create_app(settings: Settings | None = None, require_key: bool = False) -> F
         freshness: float = Query(0.0, ge=0, le=10, description="Boost for recent documents (0: off)."),
     ) -> dict:
         _text(q), _text(source_id), _text(groups)
-        if mode != "chunks":
-            raise HTTPException(status_code=501, detail=f"mode {mode!r} is reserved and not implemented yet")
         requested = None if groups is None else [g.strip() for g in groups.split(",") if g.strip()]
         if as_of is not None and as_of.tzinfo is None:
             as_of = as_of.replace(tzinfo=timezone.utc)
@@ -165,6 +174,26 @@ def create_app(settings: Settings | None = None, require_key: bool = False) -> F
                                   exact_first=exact_first)
             except EmptyKnowledgeBase as exc:
                 raise HTTPException(status_code=409, detail=str(exc)) from exc
+
+    @app.post("/v1/knowledge/answer")
+    def knowledge_answer(request: Request, body: AnswerRequest, key: ApiKey | None = Depends(caller)) -> dict:
+        """An answer whose every sentence cites its sources as [document, section], each citation checked (VALID,
+        WEAK; sentences with an INVALID citation are removed and listed), or "not found in the documents" with the
+        closest sources."""
+        from pipelines.answer import answer_question
+        from pipelines.chat import ChatNotConfigured
+
+        _text(body.question), _text(body.source_id)
+        as_of = body.as_of.replace(tzinfo=timezone.utc) if body.as_of and body.as_of.tzinfo is None else body.as_of
+        filters = Filters(source_id=body.source_id, groups=groups_for(key, body.groups), as_of=as_of)
+        with request.app.state.pool.connection() as conn:
+            try:
+                return answer_question(conn, settings, body.question, body.k, mode=body.mode, filters=filters,
+                                       hyde=body.hyde, compress=body.compress)
+            except EmptyKnowledgeBase as exc:
+                raise HTTPException(status_code=409, detail=str(exc)) from exc
+            except ChatNotConfigured as exc:
+                raise HTTPException(status_code=422, detail=str(exc)) from exc
 
     @app.get("/v1/sources")
     def readable_sources(request: Request, key: ApiKey | None = Depends(caller)) -> dict:

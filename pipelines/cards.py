@@ -24,6 +24,7 @@ import psycopg
 from psycopg.types.json import Jsonb
 
 from pipelines import bulk
+from pipelines.chat import chat_client, complete
 from pipelines.enrich import ENRICH_VERSION, context_title, embed_prefix, extract_entities
 from pipelines.hashing import hash_text
 from pipelines.report import StageReport
@@ -93,24 +94,17 @@ class ChatCards:
     pool of them at a time; the openai client retries 408/409/429/5xx and timeouts with backoff."""
 
     def __init__(self, settings: Settings):
-        from openai import OpenAI
-
         self.model = settings.chat_model
         self.generator, self.family = f"chat:{settings.chat_model}:{PROMPT_VERSION}", "chat"
         self.concurrency = settings.chat_concurrency
-        self.client = OpenAI(api_key=settings.openai_api_key or "not-needed", base_url=settings.openai_base_url,
-                             max_retries=settings.openai_max_retries, timeout=settings.openai_timeout_s)
+        self.client = chat_client(settings)
 
     def cards(self, chunks: list[SourceChunk]) -> list[list[dict]]:
         with ThreadPoolExecutor(max_workers=self.concurrency) as pool:
             return list(pool.map(self._one, chunks))
 
     def _one(self, chunk: SourceChunk) -> list[dict]:
-        reply = self.client.chat.completions.create(
-            model=self.model, temperature=0,
-            messages=[{"role": "user", "content": PROMPT.format(n=MAX_CARDS_PER_CHUNK, passage=chunk.embed_text)}],
-        ).choices[0].message.content or ""
-        return parse_cards(reply)
+        return parse_cards(complete(self.client, self.model, PROMPT.format(n=MAX_CARDS_PER_CHUNK, passage=chunk.embed_text)))
 
 
 def parse_cards(reply: str) -> list[dict]:

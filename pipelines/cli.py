@@ -154,6 +154,8 @@ def _readers(groups) -> str:
 @click.option("--k", default=5, show_default=True, type=click.IntRange(1, 100))
 @click.option("--source-id", help="Only this source.")
 @click.option("--arm", type=click.Choice(["hybrid", "dense", "lexical"]), default="hybrid", show_default=True)
+@click.option("--mode", type=click.Choice(["chunks", "qa_first", "qa_only"]), default="chunks", show_default=True,
+              help="Chunks, Q&A cards, or both with the cards that make the top k first.")
 @click.option("--lexical-weight", type=click.FloatRange(0, 1), help="RRF weight of the lexical arm (default: by query type).")
 @click.option("--k-overfetch", default=20, show_default=True, type=click.IntRange(1, 1000))
 @click.option("--group", "groups", multiple=True, help="A group the caller belongs to (repeatable).")
@@ -167,7 +169,7 @@ def _readers(groups) -> str:
 @click.option("--debug", is_flag=True, help="Explain the ranking: the query's class, weight and why; each result's rank,"
                                             " score and RRF share in each arm, and the query terms it holds.")
 @click.option("--json", "as_json", is_flag=True)
-def search(query, k, source_id, arm, lexical_weight, k_overfetch, groups, as_of, diversity, freshness, no_rerank,
+def search(query, k, source_id, arm, mode, lexical_weight, k_overfetch, groups, as_of, diversity, freshness, no_rerank,
            no_exact_first, debug, as_json) -> None:
     """Hybrid search: dense vectors + BM25, fused with weighted Reciprocal Rank Fusion."""
     from pipelines.database import connect
@@ -180,7 +182,7 @@ def search(query, k, source_id, arm, lexical_weight, k_overfetch, groups, as_of,
     filters = Filters(source_id=source_id, groups=list(groups), as_of=as_of)
     with connect(settings) as conn:
         try:
-            data = run_search(conn, settings, query, k, arm=arm, lexical_weight=lexical_weight,
+            data = run_search(conn, settings, query, k, arm=arm, mode=mode, lexical_weight=lexical_weight,
                               k_overfetch=k_overfetch, filters=filters, debug=debug, rerank=not no_rerank,
                               diversity=diversity, freshness=freshness, exact_first=not no_exact_first)
         except EmptyKnowledgeBase as exc:
@@ -188,6 +190,7 @@ def search(query, k, source_id, arm, lexical_weight, k_overfetch, groups, as_of,
     text = "\n\n".join(
         f"{i}. [{c['score']:.4f}] {c['source']}:{c['document']}"
         + (f" > {' > '.join(c['section_path'])}" if c["section_path"] else "")
+        + (f"\n   Q: {c['question']}" if c["kind"] == "card" else "")
         + (f"\n   {_explained(c)}" if debug else "")
         + f"\n   {c['content'][:300]}" for i, c in enumerate(data["chunks"], 1)) or "no results"
     if debug:
@@ -249,7 +252,7 @@ def sweep(freshness_hours, as_json) -> None:
 
 
 @main.command(name="eval")
-@click.argument("datasets", nargs=-1, required=True, type=click.Path(exists=True, file_okay=False, path_type=Path))
+@click.argument("datasets", nargs=-1, type=click.Path(exists=True, file_okay=False, path_type=Path))
 @click.option("--split", help="qrels/<split>.tsv (default: test, or the dataset's only split)")
 @click.option("--database-url", help="Evaluate in this database (default: a kb_eval_<dataset> database of its own).")
 @click.option("--lexical-weight", "weights", multiple=True, type=click.FloatRange(0, 1),
@@ -259,13 +262,23 @@ def sweep(freshness_hours, as_json) -> None:
               help="Write every query's metrics here (JSON), for a later --compare.")
 @click.option("--compare", "compare_path", type=click.Path(exists=True, dir_okay=False, path_type=Path),
               help="A --per-query file of an earlier run: paired per-query differences (mean, standard error).")
+@click.option("--answers", "answer_set", type=click.Path(exists=True, dir_okay=False, path_type=Path),
+              help="Also score the answer layer on this question set over the current knowledge base"
+                   " (e.g. samples/answers.jsonl): retrieval by mode, abstention, citation validity.")
+@click.option("--group", "groups", multiple=True, help="With --answers: read as a member of this group.")
+@click.option("--hyde", is_flag=True, help="With --answers: HyDE retrieval (needs KB_CHAT_MODEL).")
+@click.option("--compress", is_flag=True, help="With --answers: contextual compression.")
 @click.option("--json", "as_json", is_flag=True)
-def evaluate(datasets, split, database_url, weights, misses, per_query_path, compare_path, as_json) -> None:
+def evaluate(datasets, split, database_url, weights, misses, per_query_path, compare_path, answer_set, groups, hyde,
+             compress, as_json) -> None:
     """Ingest BEIR datasets through the real pipeline and report hit@1/5/10, MRR@10, nDCG@10, recall@100 per
-    arm, per query kind where the queries carry one (identifier sets), and against an earlier run."""
-    from pipelines.evaluation import METRICS, evaluate_dataset, paired_comparison
+    arm, per query kind where the queries carry one (identifier sets), and against an earlier run; with
+    --answers, score grounded answers on the current knowledge base."""
+    from pipelines.evaluation import METRICS, evaluate_answers, evaluate_dataset, paired_comparison
     from pipelines.rerank import make_reranker
 
+    if not datasets and not answer_set:
+        raise click.UsageError("give a BEIR dataset folder, or --answers FILE")
     settings = load_settings()
     reranker = make_reranker(settings)
     report = {dataset.name: evaluate_dataset(settings, dataset, split, database_url, weights, misses, reranker,
@@ -296,6 +309,18 @@ def evaluate(datasets, split, database_url, weights, misses, per_query_path, com
                              f" +/- {c['standard_error']:.4f} (wins {c['wins']}, losses {c['losses']}, ties {c['ties']})")
             lines += [f"  miss [{cfg}] {m['query_id']}: {m['query'][:80]}" for m in result.get("misses", [])]
         lines.append("")
+    if answer_set:
+        from pipelines.database import connect
+
+        with connect(settings) as conn:
+            answers = report["answers"] = evaluate_answers(conn, settings, answer_set, list(groups), hyde=hyde,
+                                                           compress=compress)
+        lines.append(f"answers ({answers['questions']} questions, {answers['unanswerable']} not answerable from the documents)")
+        lines += [f"  retrieval, mode {mode}: " + ", ".join(f"{m} {v:.4f}" for m, v in values.items())
+                  for mode, values in answers["retrieval"].items()]
+        lines.append(f"  abstention: precision {answers['abstention']['precision']}, recall {answers['abstention']['recall']}")
+        lines.append(f"  answered {answers['answers']['answered']}, holding the expected answer"
+                     f" {answers['answers']['holding_expected']}, citations VALID {answers['answers']['citation_validity']}")
     _emit(report, as_json, "\n".join(lines).rstrip())
 
 
@@ -340,6 +365,48 @@ def cite(answer, groups, as_json) -> None:
             raise click.ClickException(str(exc)) from exc
     text = "\n".join(f"{c['status']:<8} chunk {c['chunk_id']}: {c['reason']} | {c['claim'][:70]}" for c in data["citations"])
     _emit(data, as_json, text)
+
+
+@main.command()
+@click.argument("question")
+@click.option("--k", default=5, show_default=True, type=click.IntRange(1, 20), help="Contexts given to the answer.")
+@click.option("--mode", type=click.Choice(["chunks", "qa_first", "qa_only"]), default="qa_first", show_default=True)
+@click.option("--source-id", help="Only this source.")
+@click.option("--group", "groups", multiple=True, help="A group the caller belongs to (repeatable).")
+@click.option("--as-of", "as_of", type=click.DateTime(["%Y-%m-%dT%H:%M:%S%z", "%Y-%m-%dT%H:%M:%S", "%Y-%m-%d"]),
+              help="Answer from the knowledge base as it was at this time.")
+@click.option("--hyde", is_flag=True, help="Search with the embedding of a hypothetical answer (needs KB_CHAT_MODEL).")
+@click.option("--compress", is_flag=True, help="Keep only the context sentences that bear on the question.")
+@click.option("--no-rerank", is_flag=True, help="Skip the configured reranker (KB_RERANK).")
+@click.option("--json", "as_json", is_flag=True)
+def ask(question, k, mode, source_id, groups, as_of, hyde, compress, no_rerank, as_json) -> None:
+    """Answer from the documents, every sentence citing its sources (checked), or say it is not there."""
+    from pipelines.answer import answer_question
+    from pipelines.chat import ChatNotConfigured
+    from pipelines.database import connect
+    from pipelines.search import Filters
+    from pipelines.service import EmptyKnowledgeBase
+
+    if as_of is not None and as_of.tzinfo is None:
+        as_of = as_of.replace(tzinfo=timezone.utc)
+    settings = load_settings()
+    with connect(settings) as conn:
+        try:
+            data = answer_question(conn, settings, question, k, mode=mode, rerank=not no_rerank, hyde=hyde,
+                                   compress=compress, filters=Filters(source_id=source_id, groups=list(groups), as_of=as_of))
+        except EmptyKnowledgeBase as exc:
+            raise click.ClickException(str(exc)) from exc
+        except ChatNotConfigured as exc:
+            raise click.UsageError(str(exc)) from exc
+    lines = [data["answer"]]
+    if data["abstained"]:
+        lines.append(f"({data['reason']})")
+        lines += ["closest sources:"] + [f"  {s['document']}" + (f" > {s['section']}" if s["section"] else "")
+                                         for s in data["closest_sources"]]
+    for sentence in data["sentences"]:
+        lines += [f"  {c['status']} chunk {c['chunk_id']} ({c['reason']})" for c in sentence["citations"]]
+    lines += [f"  removed: {r['text']} ({r['why']})" for r in data["removed"]]
+    _emit(data, as_json, "\n".join(lines))
 
 
 @main.group()

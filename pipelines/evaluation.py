@@ -200,3 +200,49 @@ def evaluate_dataset(settings, dataset: Path, split: str | None = None, database
             result["groups"] = by_group(result["per_query"], metadata)
     return {"dataset": str(dataset), "split": split, "queries": len(queries), "ingest": summary.counters(),
             "classifier": kinds, "results": results}
+
+
+def evaluate_answers(conn: psycopg.Connection, settings, path: Path, groups: list[str], k: int = 5,
+                     hyde: bool = False, compress: bool = False) -> dict:
+    """Score the answer layer on a question set over the current knowledge base (samples/answers.jsonl: questions
+    with the document that answers them, and plausible questions whose answer is nowhere, `document` null).
+
+    - retrieval: hit@1 and hit@5 of the answering document, in mode qa_first against chunks;
+    - abstention: precision and recall of "not found" on the unanswerable questions;
+    - answers: how many hold the expected phrase, and the share of their citations that are VALID."""
+    from pipelines.answer import answer_question
+    from pipelines.service import retrieve
+
+    cases = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    filters = Filters(groups=groups)
+    retrieval = {}
+    for mode in ("chunks", "qa_first"):
+        hits_at = {1: 0, 5: 0}
+        answerable = [c for c in cases if c.get("document")]
+        for case in answerable:
+            _, hits = retrieve(conn, settings, case["question"], 5, mode=mode, filters=filters)
+            documents = list(dict.fromkeys(f"{h.source}:{h.document}" for h in hits))
+            hits_at[1] += case["document"] in documents[:1]
+            hits_at[5] += case["document"] in documents[:5]
+        retrieval[mode] = {f"hit@{n}": round(v / max(len(answerable), 1), 4) for n, v in hits_at.items()}
+    abstained = correct = answered = valid = cited = 0
+    true_abstentions = unanswerable = 0
+    rows = []
+    for case in cases:
+        result = answer_question(conn, settings, case["question"], k, filters=filters, hyde=hyde, compress=compress)
+        unanswerable += case.get("document") is None
+        abstained += result["abstained"]
+        true_abstentions += result["abstained"] and case.get("document") is None
+        if not result["abstained"]:
+            answered += 1
+            correct += bool(case.get("answer")) and case["answer"].lower() in result["answer"].lower()
+            statuses = [c["status"] for s in result["sentences"] for c in s["citations"]]
+            valid, cited = valid + statuses.count("VALID"), cited + len(statuses)
+        rows.append({"question": case["question"], "expected": case.get("document"), "abstained": result["abstained"],
+                     "confidence": result["confidence"], "answer": result["answer"]})
+    return {"questions": len(cases), "unanswerable": unanswerable, "retrieval": retrieval,
+            "abstention": {"precision": round(true_abstentions / abstained, 4) if abstained else None,
+                           "recall": round(true_abstentions / unanswerable, 4) if unanswerable else None},
+            "answers": {"answered": answered, "holding_expected": correct,
+                        "citation_validity": round(valid / cited, 4) if cited else None},
+            "per_question": rows}

@@ -14,6 +14,7 @@ import numpy as np
 import psycopg
 from psycopg import sql
 
+from pipelines.chat import chat_client, complete
 from pipelines.search import Hit
 from pipelines.settings import Settings
 from pipelines.vector_store import vector_table
@@ -51,20 +52,14 @@ class LLMReranker:
               "most relevant first, and nothing else.\n\nQuery: {query}\n\n{passages}")
 
     def __init__(self, settings: Settings, model: str):
-        from openai import OpenAI
-
         self.model = model
-        self.client = OpenAI(api_key=settings.openai_api_key or "not-needed", base_url=settings.openai_base_url,
-                             max_retries=settings.openai_max_retries, timeout=settings.openai_timeout_s)
+        self.client = chat_client(settings)
 
     def rerank(self, query: str, hits: list[Hit]) -> list[Hit]:
         if not hits:
             return hits
         passages = "\n\n".join(f"[{i}] {h.content[:1500]}" for i, h in enumerate(hits, 1))
-        reply = self.client.chat.completions.create(
-            model=self.model, temperature=0,
-            messages=[{"role": "user", "content": self.PROMPT.format(query=query, passages=passages)}],
-        ).choices[0].message.content or ""
+        reply = complete(self.client, self.model, self.PROMPT.format(query=query, passages=passages))
         match = re.search(r"\[[\d,\s]*\]", reply)
         ranked = [n - 1 for n in json.loads(match.group(0)) if 1 <= n <= len(hits)] if match else []
         order = list(dict.fromkeys(ranked)) + [i for i in range(len(hits)) if i not in ranked]

@@ -218,9 +218,18 @@ def search_explained(conn: psycopg.Connection, embedder: Embedder, query: str, k
     hits = [Hit(*row) for row in rows]
     if arm == "hybrid":
         hits = arrange(hits, query_class, exact_first)
-    if mode == "qa_first":  # stable: cards, then chunks, each in the order above
-        hits = sorted(hits[:k], key=lambda h: h.kind != CARD) + hits[k:]
+    if mode == "qa_first":
+        hits = _cards_first(hits, k)
     return query_class, hits[:k]
+
+
+def _cards_first(hits: list[Hit], k: int) -> list[Hit]:
+    """qa_first: the cards among the top k that match the query at least as closely in meaning as the best chunk
+    there go ahead of the chunks (in their order); a card that merely made the list stays where it ranked."""
+    top = hits[:k]
+    best_chunk = max((h.dense_score for h in top if h.kind != CARD and h.dense_score is not None), default=-1.0)
+    ahead = [h for h in top if h.kind == CARD and (h.dense_score or -1.0) >= best_chunk]
+    return ahead + [h for h in top if h not in ahead] + hits[k:]
 
 
 def search(conn: psycopg.Connection, embedder: Embedder, query: str, k: int = 5, **options) -> list[Hit]:

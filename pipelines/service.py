@@ -44,21 +44,27 @@ def _reranker(settings: Settings):
     return _rerankers[key]
 
 
-def run_search(conn: psycopg.Connection, settings: Settings, query: str, k: int = 5, *, arm: str = "hybrid",
-               lexical_weight: float | None = None, k_overfetch: int = 20, filters: Filters | None = None,
-               debug: bool = False, mode: str = "chunks", rerank: bool = True, diversity: float = 0.0,
-               freshness: float = 0.0, exact_first: bool = True) -> dict:
-    """Search with the active model (queries must be embedded in the vector space being served). The optional
-    stages (reranker when configured, MMR diversity, freshness boost) work on the over-fetched candidates."""
+def query_embedder(conn: psycopg.Connection, settings: Settings) -> Embedder:
+    """The embedder of the model being served: queries must be embedded in the vector space search reads."""
+    return _query_embedder(_serving_model(conn), settings)
+
+
+def retrieve(conn: psycopg.Connection, settings: Settings, query: str, k: int = 5, *, arm: str = "hybrid",
+             lexical_weight: float | None = None, k_overfetch: int = 20, filters: Filters | None = None,
+             mode: str = "chunks", rerank: bool = True, diversity: float = 0.0, freshness: float = 0.0,
+             exact_first: bool = True, vector=None) -> tuple:
+    """(query class, top-k hits) with the active model. The optional stages (reranker when configured, MMR
+    diversity, freshness boost) work on the over-fetched candidates. `vector` replaces the query's own embedding
+    in the dense arm (HyDE)."""
     model = _serving_model(conn)
-    filters = filters or Filters()
     embedder = _query_embedder(model, settings)
     reranker = _reranker(settings) if rerank else None
     post = reranker is not None or diversity > 0 or freshness > 0
-    vector = embed_query(embedder, query) if arm != "lexical" or diversity > 0 else None  # embedded once, used twice
+    if vector is None and (arm != "lexical" or diversity > 0):
+        vector = embed_query(embedder, query)  # embedded once, used by search and by MMR
     query_class, hits = search_explained(conn, embedder, query, max(k_overfetch, k) if post else k, arm=arm,
                                          lexical_weight=lexical_weight, k_overfetch=k_overfetch, filters=filters,
-                                         model_key=model, vector=vector, exact_first=exact_first)
+                                         model_key=model, vector=vector, exact_first=exact_first, mode=mode)
     if post:
         from pipelines.rerank import freshness_boost, mmr
 
@@ -69,6 +75,16 @@ def run_search(conn: psycopg.Connection, settings: Settings, query: str, k: int 
         if diversity > 0:
             hits = mmr(conn, model, vector, hits, k, diversity)
         hits = hits[:k]
+    return query_class, hits
+
+
+def run_search(conn: psycopg.Connection, settings: Settings, query: str, k: int = 5, *, debug: bool = False,
+               filters: Filters | None = None, mode: str = "chunks", arm: str = "hybrid", exact_first: bool = True,
+               **options) -> dict:
+    """The search response the CLI and the API return (see retrieve)."""
+    filters = filters or Filters()
+    query_class, hits = retrieve(conn, settings, query, k, filters=filters, mode=mode, arm=arm,
+                                 exact_first=exact_first, **options)
     if debug:
         add_highlights(conn, hits)
     response = {
