@@ -44,6 +44,7 @@ PROMPT = ("Answer the question using only the numbered contexts below. After eve
           f"contain the answer, reply exactly {NOT_FOUND_MARK}.\n\nQuestion: {{question}}\n\nContexts:\n{{contexts}}")
 HYDE_PROMPT = "Write a short passage, two or three sentences, that answers this question: {question}"
 CITATION = re.compile(r"\s*\[(\d+(?:\s*,\s*\d+)*)\]")
+AFTER_THE_STOP = re.compile(r"([.!?])((?:\s*\[\d+(?:\s*,\s*\d+)*\])+)")  # "pay. [1]": the marks belong before it
 
 
 @dataclass
@@ -165,7 +166,7 @@ def _extract(embedder, question: str, contexts: list[Context]) -> list[tuple[str
 def _cited_sentences(reply: str, contexts: list[Context]) -> list[tuple[str, list[int]]]:
     """(sentence without its citation marks, context numbers it cites) for each sentence of the model's reply."""
     sentences = []
-    for sentence in split_sentences(reply):
+    for sentence in split_sentences(AFTER_THE_STOP.sub(r"\2\1", reply)):
         numbers = [int(n) for group in CITATION.findall(sentence) for n in group.split(",")]
         text = CITATION.sub("", sentence).strip()
         if text:

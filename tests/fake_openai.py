@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Callable
 
 import numpy as np
 
@@ -22,8 +24,9 @@ class FakeOpenAI:
     """Scripted failures first (status codes, or 'hang'), then correct answers; records what it saw."""
 
     def __init__(self, failures=(), delay_s: float = 0.0, chat_reply: str = "[]", dimensions: int = DIMENSIONS,
-                 zero_when=lambda text: False):
+                 zero_when=lambda text: False, chat=None):
         self.failures = list(failures)
+        self.chat = chat  # prompt -> reply, a scripted chat model (see scripted_chat); else chat_reply always
         self.zero_when = zero_when  # texts answered with an all-zero vector, as a broken endpoint does
         self.dimensions = dimensions
         self.chat_reply = chat_reply
@@ -50,12 +53,15 @@ class FakeOpenAI:
                     if failure == "hang":
                         time.sleep(1.5)
                         return
-                    if self.path.endswith("/chat/completions"):
-                        fake.prompts.append(body["messages"][-1]["content"])
+                    if self.path.endswith("/chat/completions") and not failure:
+                        prompt = body["messages"][-1]["content"]
+                        with fake.lock:
+                            fake.prompts.append(prompt)
+                        reply = fake.chat(prompt) if fake.chat else fake.chat_reply
                         payload = json.dumps({
                             "id": "chat-1", "object": "chat.completion", "created": 0, "model": body["model"],
                             "choices": [{"index": 0, "finish_reason": "stop",
-                                         "message": {"role": "assistant", "content": fake.chat_reply}}]}).encode()
+                                         "message": {"role": "assistant", "content": reply}}]}).encode()
                         self.send_response(200)
                     elif failure:
                         payload = json.dumps({"error": {"message": "slow down", "type": "rate_limit"}}).encode()
@@ -101,3 +107,39 @@ class FakeOpenAI:
 def openai_settings(settings, fake, **overrides):
     return dataclasses.replace(settings, embedder="openai", openai_model="fake-embed", openai_base_url=fake.base_url,
                                openai_api_key="test-key", openai_dimensions=DIMENSIONS, **overrides)
+
+
+_WORD = re.compile(r"[a-z0-9]{4,}")
+_COMMON = {"what", "which", "does", "many", "much", "when", "where", "with", "that", "this", "have", "from", "there",
+           "their", "your", "about", "into", "long", "often", "should", "would", "could", "must", "after", "before",
+           "company", "northwind", "robotics", "employee", "employees"}
+
+
+def scripted_chat(citing: str = "best") -> "Callable[[str], str]":
+    """A deterministic stand-in for a chat model, reading kb's own prompts:
+    - card prompts: one card per passage, its first sentence as the answer;
+    - answer prompts: the context sharing most words with the question, its first sentence, cited as [n]
+      (citing="missing" cites [99], "none" cites nothing, "best" the right context), or NOT_FOUND when no context
+      holds three fifths of the question's words (compared by their first five letters);
+    - HyDE prompts: a short passage made of the question's words."""
+    def reply(prompt: str) -> str:
+        if prompt.startswith("Write up to"):
+            passage = prompt.split("Passage:\n", 1)[1].strip().split("\n\n")[-1]
+            first = re.split(r"(?<=[.!?])\s+", passage)[0]
+            return json.dumps([{"question": "What does the passage say about " + " ".join(first.split()[:6]) + "?",
+                                "answer": first}])
+        if prompt.startswith("Write a short passage"):
+            return "This passage answers: " + prompt.rsplit(":", 1)[1].strip()
+        question = prompt.split("Question: ", 1)[1].split("\n", 1)[0]
+        def stems(text: str) -> set[str]:
+            return {word[:5] for word in _WORD.findall(text.lower()) if word not in _COMMON}
+
+        wanted = stems(question)
+        contexts = re.findall(r"^\[(\d+)\] \[[^\]]*\] (.*)$", prompt, re.M)
+        scored = sorted(((len(wanted & stems(text)), int(n), text) for n, text in contexts), key=lambda t: (-t[0], t[1]))
+        if not scored or scored[0][0] < 0.6 * len(wanted):
+            return "NOT_FOUND"
+        _, n, text = scored[0]
+        sentence = re.split(r"(?<=[.!?])\s+", text)[0]
+        return sentence + {"best": f" [{n}]", "missing": " [99]", "none": ""}[citing]
+    return reply

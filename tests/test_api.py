@@ -56,7 +56,7 @@ def test_filter_by_source(client):
     ({"q": "x", "k": 0}, 422),
     ({"q": "x", "mode": "everything"}, 422),
     ({"q": "x", "lexical_weight": 2}, 422),
-    ({"q": "x", "mode": "qa_first"}, 501),
+    ({"q": "x\x00y"}, 422),
 ])
 def test_invalid_requests_get_clear_4xx_errors(client, params, status):
     response = client.get("/v1/knowledge/search", params=params)
