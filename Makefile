@@ -1,14 +1,13 @@
 # kb: two commands for a fresh machine (see README.md).
-#   make demo   install into .venv, materialize the Dagster ingest assets for the bundled samples, print a search
+#   make demo   install into .venv, run the Dagster ingest job for the bundled samples, print a search
 #   make test   install into .venv, run the test suite
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 KB_HOME ?= $(CURDIR)/.kb
 export KB_HOME
-export DAGSTER_HOME ?= $(KB_HOME)/dagster
 
-.PHONY: install demo test dev chromium
+.PHONY: install demo test dev system-packages
 
 install: $(VENV)/.installed
 
@@ -21,24 +20,20 @@ $(VENV)/.installed: requirements/lock.txt pyproject.toml
 	$(BIN)/pip install --quiet --disable-pip-version-check --no-deps -e .
 	touch $@
 
-demo: install $(DAGSTER_HOME)/dagster.yaml
+demo: install
 	$(BIN)/kb source apply samples/kb.toml
-	for source in samples faq; do \
-	  $(BIN)/dagster asset materialize -m assets.definitions --select '*published_chunks' --partition $$source || exit 1; \
-	done
+	$(BIN)/kb dagster ingest
 	$(BIN)/kb status
 	$(BIN)/kb search "How many weeks of paid leave does a primary caregiver get?" --k 3
 
-test: install chromium
+test: install system-packages
 	$(BIN)/python -m pytest -q
 
-# The search console is tested in headless Chromium (Debian's package; tests never download a browser).
-chromium:
-	command -v chromium >/dev/null || (apt-get update -q && apt-get install -y -q chromium)
+# The search console is tested in headless Chromium, and kb's errors against a PostgreSQL without pgvector
+# (Debian's packages; tests never download a browser).
+system-packages:
+	command -v chromium >/dev/null && test -x /usr/lib/postgresql/15/bin/postgres || \
+	  (apt-get update -q && apt-get install -y -q chromium postgresql-15)
 
-dev: install $(DAGSTER_HOME)/dagster.yaml
-	$(BIN)/dagster dev -w workspace.yaml
-
-$(DAGSTER_HOME)/dagster.yaml:
-	mkdir -p $(DAGSTER_HOME)
-	cp dagster.yaml $@
+dev: install
+	$(BIN)/kb dagster dev

@@ -1,5 +1,6 @@
 """Jobs, and the automation that keeps each declared source fresh: its partition kept in step with the
-declarations, a refresh when its cron says so, a refresh when its files change, and a daily staleness sweep.
+declarations, a refresh when its cron says so, and a refresh when its files change. (The daily staleness sweep
+is an automation condition on its asset.)
 
 The per-source pieces are sensors rather than schedules because sources are declared at run time (kb.toml or
 `kb source add`), each with its own cron, and a new source must not need a code reload.
@@ -11,16 +12,18 @@ from datetime import datetime, timezone
 
 import dagster as dg
 
+from assets.executors import backfill_executor, refresh_executor
 from assets.ingestion import ASSETS
-from assets.maintenance import stale_documents
+from assets.maintenance import active_model, model_backfill
 from assets.partitions import SOURCES, partition_changes, sources
 from assets.resources import KnowledgeBase
 
 ingest_job = dg.define_asset_job("ingest", selection=dg.AssetSelection.assets(*ASSETS), partitions_def=sources,
+                                 executor_def=refresh_executor(), tags={"kb/job": "refresh"},
                                  description="Crawl one source and bring its part of the knowledge base up to date.")
-sweep_job = dg.define_asset_job("staleness_sweep", selection=dg.AssetSelection.assets(stale_documents))
-reembed_job = dg.define_asset_job("reembed", selection=dg.AssetSelection.groups("maintenance") - dg.AssetSelection.assets(stale_documents),
-                                  description="Backfill the configured model's vectors over hash shards, then switch.")
+reembed_job = dg.define_asset_job("reembed", selection=dg.AssetSelection.assets(model_backfill, active_model),
+                                  executor_def=backfill_executor(), tags={"kb/job": "backfill"},
+                                  description="Build the configured model's vectors over 16 hash shards, then switch.")
 
 
 def _declared(kb: KnowledgeBase) -> list:
@@ -102,8 +105,5 @@ def source_change_sensor(context: dg.SensorEvaluationContext, kb: KnowledgeBase)
     context.update_cursor(json.dumps(seen, sort_keys=True))
     return requests
 
-
-sweep_schedule = dg.ScheduleDefinition(name="daily_staleness_sweep", cron_schedule="30 5 * * *", job=sweep_job,
-                                       default_status=dg.DefaultScheduleStatus.STOPPED)
 
 SENSORS = [source_partitions, scheduled_refresh, source_change_sensor]

@@ -1,8 +1,8 @@
-"""The single place that builds kb's Dagster Definitions (loaded by workspace.yaml and `dagster dev`)."""
+"""The single place that builds kb's Dagster Definitions (code location `kb` in workspace.yaml)."""
 
 import dagster as dg
 
-from assets.automation import SENSORS, ingest_job, reembed_job, sweep_job, sweep_schedule
+from assets.automation import SENSORS, ingest_job, reembed_job
 from assets.ingestion import ASSETS, CHECKS
 from assets.maintenance import MAINTENANCE_ASSETS
 from assets.resources import KnowledgeBase
@@ -10,9 +10,17 @@ from assets.resources import KnowledgeBase
 defs = dg.Definitions(
     assets=[*ASSETS, *MAINTENANCE_ASSETS],
     asset_checks=CHECKS,
-    jobs=[ingest_job, sweep_job, reembed_job],
-    schedules=[sweep_schedule],
+    jobs=[ingest_job, reembed_job],
     sensors=SENSORS,
     resources={"kb": KnowledgeBase()},
-    executor=dg.multiprocess_executor,
 )
+
+
+# Module-level job factories, so that dg.reconstructable can rebuild a job in another process: the executor's
+# subprocesses, or a dask worker on another machine (assets/runs.py).
+def ingest_job_def() -> dg.JobDefinition:
+    return defs.resolve_job_def("ingest")
+
+
+def reembed_job_def() -> dg.JobDefinition:
+    return defs.resolve_job_def("reembed")

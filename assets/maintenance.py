@@ -1,30 +1,74 @@
-"""Model backfills (sharded), the model switch-over and the staleness sweep."""
+"""Model backfills, the model switch-over and the staleness sweep.
 
-from datetime import timedelta
+`model_backfill` builds the configured model's vectors for every live chunk beside the serving ones. Its work is
+split into 16 shards of the text-hash space, each an op of its own, so that an executor spreads them over
+processes or, with a distributed executor, over machines (assets/executors.py). The shards are units of work, not
+data: the asset is one thing, built when all of them are done. They are static ops passing nothing but order
+(vectors go to PostgreSQL, never through an IO manager), which is what a distributed executor such as
+dagster-dask can schedule up front and what works with no storage shared between machines.
+"""
+
+import os
+import socket
 
 import dagster as dg
 
-from assets.partitions import hash_shards
+from assets.executors import model_pool
+from assets.ingestion import OWNERS, published_chunks, source_documents
 from assets.resources import KnowledgeBase
 
 MAINTENANCE = "maintenance"
+SHARDS = list("0123456789abcdef")
 
 
-@dg.asset(partitions_def=hash_shards, group_name=MAINTENANCE, kinds={"pytorch", "pgvector"}, pool="embedding_model",
-          backfill_policy=dg.BackfillPolicy.multi_run(max_partitions_per_run=4))
-def model_backfill(context: dg.AssetExecutionContext, kb: KnowledgeBase) -> dg.MaterializeResult:
-    """Vectors of the configured model for every live chunk in these hash shards, built beside the serving ones.
+def _shard_op(shard: str) -> dg.OpDefinition:
+    @dg.op(name=f"embed_shard_{shard}", ins={"after": dg.In(dg.Nothing)}, out=dg.Out(dg.Nothing),
+           pool=model_pool(), retry_policy=dg.RetryPolicy(max_retries=2, delay=10), tags={"kb/shard": shard})
+    def embed_shard(context: dg.OpExecutionContext, kb: KnowledgeBase) -> None:
+        """The missing vectors of texts whose hash starts with this hex digit (resumable: a re-run embeds only what
+        is still missing)."""
+        from pipelines.embedding import embed_pending
 
-    Resumable: a re-run embeds only what is still missing. Fan out with a backfill over all 16 shards."""
-    from pipelines.embedding import embed_pending
+        with kb.connect() as conn:
+            report = embed_pending(conn, kb.embedder, shards=[shard])
+        context.add_output_metadata({"shard": shard, "computed": report.counts["computed"],
+                                     "elapsed_s": report.elapsed_s, "worker": f"{socket.gethostname()}:{os.getpid()}"})
+    return embed_shard
+
+
+SHARD_OPS = [_shard_op(shard) for shard in SHARDS]
+
+
+@dg.op(ins={"shards": dg.In(dg.Nothing)}, out=dg.Out(dg.Nothing))
+def backfill_summary(context: dg.OpExecutionContext, kb: KnowledgeBase) -> None:
+    """Checks that no shard left a text without a vector, and sums up what the shards did and where they ran."""
+    from pipelines.embedding import missing_by_shard
 
     with kb.connect() as conn:
-        report = embed_pending(conn, kb.embedder, shards=list(context.partition_keys))
-    return dg.MaterializeResult(metadata={"computed": report.counts["computed"], "elapsed_s": report.elapsed_s,
-                                          "model": kb.embedder.model_key})
+        missing = missing_by_shard(conn, kb.embedder)
+    if missing:
+        raise dg.Failure(f"shards {', '.join(sorted(missing))} still lack {sum(missing.values())} vectors of"
+                         f" {kb.embedder.model_key}; re-run the backfill (it resumes)",
+                         metadata={"missing": dg.MetadataValue.json(missing)})
+    done = [e.dagster_event.event_specific_data.metadata
+            for e in context.instance.all_logs(context.run_id, of_type=dg.DagsterEventType.STEP_OUTPUT)
+            if e.dagster_event and (e.step_key or "").startswith("model_backfill.embed_shard_")]
+    workers = sorted({m["worker"].value for m in done if "worker" in m})
+    context.add_output_metadata({"computed": sum(m["computed"].value for m in done if "computed" in m),
+                                 "shards_done": len(done), "workers": dg.MetadataValue.json(workers),
+                                 "model": kb.embedder.model_key})
 
 
-@dg.asset(deps=[model_backfill], group_name=MAINTENANCE, kinds={"postgres"})
+@dg.graph_asset(group_name=MAINTENANCE, kinds={"onnx", "pgvector"}, owners=OWNERS,
+                ins={"published_chunks": dg.AssetIn(key=published_chunks.key, dagster_type=dg.Nothing,
+                                                    partition_mapping=dg.AllPartitionMapping())})
+def model_backfill(published_chunks):
+    """Vectors of the configured model for every live chunk, built beside the serving ones in 16 shards that an
+    executor runs in parallel."""
+    return backfill_summary([shard_op(published_chunks) for shard_op in SHARD_OPS])
+
+
+@dg.asset(deps=[model_backfill], group_name=MAINTENANCE, kinds={"postgres"}, owners=OWNERS)
 def active_model(kb: KnowledgeBase) -> dg.MaterializeResult:
     """Search switches to the configured model in one transaction once all its vectors exist; the old index goes."""
     from pipelines.vector_store import activate_if_complete
@@ -36,9 +80,14 @@ def active_model(kb: KnowledgeBase) -> dg.MaterializeResult:
     return dg.MaterializeResult(metadata={"model": kb.embedder.model_key})
 
 
-@dg.asset(group_name=MAINTENANCE, kinds={"postgres"})
+@dg.asset(deps=[dg.AssetDep(source_documents, partition_mapping=dg.AllPartitionMapping())], group_name=MAINTENANCE,
+          kinds={"postgres"}, owners=OWNERS, metadata={"dagster/table_name": "kb.public.documents"},
+          automation_condition=dg.AutomationCondition.on_cron("30 5 * * *"))
 def stale_documents(kb: KnowledgeBase) -> dg.MaterializeResult:
-    """Documents whose source was not crawled within KB_FRESHNESS_HOURS; purges old history if KB_RETENTION_DAYS."""
+    """Documents whose source was not crawled within its freshness window (daily, 05:30); purges old history if
+    KB_RETENTION_DAYS."""
+    from datetime import timedelta
+
     from pipelines.history import purge_history
     from pipelines.staleness import sweep
 
@@ -46,11 +95,12 @@ def stale_documents(kb: KnowledgeBase) -> dg.MaterializeResult:
         result = sweep(conn, timedelta(hours=kb.settings.freshness_hours))
         purged = purge_history(conn, kb.settings.retention_days) if kb.settings.retention_days is not None else {}
     table = "\n".join(["| source | stale | last crawled |", "|---|---|---|"] + [
-        f"| {s['source_id']} | {s['stale_documents']} | {s['last_crawled_at']} |" for s in result["sources"]])
+        f"| {s['source_id']} | {s['stale_documents']} | {s['last_crawled_at'].isoformat() if s['last_crawled_at'] else 'never'} |"
+        for s in result["sources"]])
     return dg.MaterializeResult(metadata={
-        "stale_documents": result["stale_documents"],
         "dagster/row_count": result["stale_documents"],
-        "oldest_crawl": str(result["oldest_crawl"]),
+        "newly_flagged": result["newly_flagged"],
+        "oldest_crawl": result["oldest_crawl"].isoformat() if result["oldest_crawl"] else "none",
         "per_source": dg.MetadataValue.md(table),
         **purged,
     })

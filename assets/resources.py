@@ -27,8 +27,16 @@ class KnowledgeBase(dg.ConfigurableResource):
         with connect(self.settings) as conn:
             yield conn
 
-    @cached_property
+    @property
     def embedder(self):
+        """One model per process and configuration: the steps a worker process runs one after another (a
+        backfill's shards on a dask worker) load it once, not once per step."""
         from pipelines.embedders import make_embedder
 
-        return make_embedder(self.settings)
+        key = repr(self.settings)
+        if key not in _EMBEDDERS:
+            _EMBEDDERS[key] = make_embedder(self.settings)
+        return _EMBEDDERS[key]
+
+
+_EMBEDDERS: dict[str, object] = {}

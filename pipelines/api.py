@@ -12,12 +12,16 @@ key reads public sources only (or is refused when the server runs with require_k
 from __future__ import annotations
 
 from contextlib import asynccontextmanager
+from importlib import resources
+from importlib.metadata import version
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Literal
 
 from fastapi import Depends, FastAPI, HTTPException, Query, Request
-from fastapi.responses import HTMLResponse
+from fastapi.openapi.docs import get_swagger_ui_html
+from fastapi.responses import HTMLResponse, JSONResponse
+from fastapi.staticfiles import StaticFiles
 from fastapi.security import APIKeyHeader, HTTPAuthorizationCredentials, HTTPBearer
 from pydantic import BaseModel, Field
 
@@ -27,6 +31,7 @@ from pipelines.service import EmptyKnowledgeBase, run_citation_check, run_search
 from pipelines.settings import Settings, load_settings
 
 CONSOLE = Path(__file__).parent / "console" / "index.html"
+KB_VERSION = version("kb")
 
 
 class Chunk(BaseModel):
@@ -72,6 +77,7 @@ class SearchResponse(BaseModel):
     arm: str
     chunks: list[Chunk]
     explain: Explanation | None = None
+    note: str | None = Field(None, description="Why an as_of read found nothing, when the date is the reason.")
 
 
 def _text(value: str | None) -> str | None:
@@ -119,8 +125,12 @@ def create_app(settings: Settings | None = None, require_key: bool = False) -> F
             app.state.pool = pool
             yield
 
-    app = FastAPI(title="kb search API", version="1", lifespan=lifespan,
+    app = FastAPI(title="kb search API", version=KB_VERSION, lifespan=lifespan, docs_url=None,
                   description="Hybrid retrieval (pgvector + BM25, weighted RRF) over the kb knowledge base.")
+    # Swagger UI 5 (it renders OpenAPI 3.1, which FastAPI writes) from the fastapi-swagger package, not a CDN:
+    # /docs works with no network.
+    app.mount("/static/swagger", StaticFiles(directory=str(resources.files("fastapi_swagger") / "resources")),
+              name="swagger")
     bearer, header = HTTPBearer(auto_error=False), APIKeyHeader(name="X-API-Key", auto_error=False)
 
     def caller(request: Request, credentials: HTTPAuthorizationCredentials | None = Depends(bearer),
@@ -215,6 +225,26 @@ def create_app(settings: Settings | None = None, require_key: bool = False) -> F
     @app.get("/", response_class=HTMLResponse, include_in_schema=False)
     def console() -> str:
         return CONSOLE.read_text()
+
+    @app.get("/docs", include_in_schema=False)
+    def docs() -> HTMLResponse:
+        return get_swagger_ui_html(openapi_url=app.openapi_url, title=f"{app.title} - docs",
+                                   swagger_js_url="/static/swagger/swagger-ui-bundle.js",
+                                   swagger_css_url="/static/swagger/swagger-ui.css",
+                                   swagger_favicon_url="/static/swagger/favicon-32x32.png")
+
+    @app.get("/health")
+    def health(request: Request) -> JSONResponse:
+        """Liveness and readiness: the database answers and a model serves (503 otherwise)."""
+        from pipelines.vector_store import active_model
+
+        try:
+            with request.app.state.pool.connection(timeout=5) as conn:
+                model = active_model(conn)
+        except Exception as exc:  # any failure to reach the database is "not ready"
+            return JSONResponse({"status": "unavailable", "database": f"{type(exc).__name__}: {exc}",
+                                 "version": KB_VERSION}, status_code=503)
+        return JSONResponse({"status": "ok", "database": "ok", "model": model, "version": KB_VERSION})
 
     return app
 

@@ -27,7 +27,7 @@ from pipelines import bulk
 from pipelines.chat import chat_client, complete
 from pipelines.enrich import ENRICH_VERSION, context_title, embed_prefix, extract_entities
 from pipelines.hashing import hash_text
-from pipelines.report import StageReport
+from pipelines.report import NO_PROGRESS, Progress, StageReport
 from pipelines.settings import Settings
 from pipelines.tokens import TokenCounter
 
@@ -179,7 +179,7 @@ def _fit(counter: TokenCounter, head: str, answer: str) -> str:
 
 
 def generate_cards(conn: psycopg.Connection, settings: Settings, embedders: list, source_ids: list[str] | None = None,
-                   batch_size: int = 64, progress=None) -> StageReport:
+                   batch_size: int = 64, progress: Progress = NO_PROGRESS) -> StageReport:
     """Cards for every live chunk of these sources that a generator has not looked at yet: from the cache when this
     generator saw the same text before, else from the generator; embedded in every model that serves or is being
     built, then inserted live in one transaction per batch, replacing the chunk's cards from an older version of
@@ -188,6 +188,9 @@ def generate_cards(conn: psycopg.Connection, settings: Settings, embedders: list
 
     report = StageReport("cards", ("chunks", "cards", "generated", "reused", "refused"))
     counter = embedders[0].counter
+    progress.total(sum(conn.execute(f"SELECT count(*) FROM ({PENDING}) p", {"ids": source_ids, "limit": None,
+                                                                           "generator": g.generator}).fetchone()[0]
+                       for g in generators(settings)))
     for generator in generators(settings):
         while rows := conn.execute(PENDING, {"ids": source_ids, "generator": generator.generator,
                                              "limit": batch_size}).fetchall():
@@ -217,6 +220,5 @@ def generate_cards(conn: psycopg.Connection, settings: Settings, embedders: list
             report.counts["generated"] += len(todo)
             report.counts["reused"] += len(chunks) - len(todo)
             report.counts["refused"] += len(refused)
-            if progress:
-                progress(len(chunks))
+            progress.advance(len(chunks))
     return report.finish()

@@ -1,7 +1,9 @@
 """`kb`: ingest, inspect and search the knowledge base from a terminal or a script (`--json`).
 
-Exit status: 0 success; 3 the run finished but some files failed (listed in the summary); 2 usage error;
-1 any other error.
+Exit status: 0 success; 3 the run finished but some files failed (listed in the summary), or `kb cite --strict`
+found an INVALID citation; 4 the golden-set gate stopped a refresh (nothing of it was published); 2 usage or
+configuration error (one line saying what to change); 1 any other error.
+`--verbose` adds the traceback.
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ import json
 import sys
 from contextlib import contextmanager
 from datetime import timedelta, timezone
+from decimal import Decimal
 from pathlib import Path
 
 import click
@@ -17,57 +20,138 @@ import click
 from pipelines.settings import load_settings
 
 
+def _json_default(value):
+    """ISO-8601 for times, numbers for decimals, text for anything else."""
+    if hasattr(value, "isoformat"):
+        return value.isoformat()
+    if isinstance(value, Decimal):
+        return float(value)
+    return str(value)
+
+
 def _emit(data, as_json: bool, text: str) -> None:
-    click.echo(json.dumps(data, indent=2, default=str) if as_json else text)
+    click.echo(json.dumps(data, indent=2, default=_json_default) if as_json else text)
+
+
+class _Fraction(click.ParamType):
+    """A number from 0 to 1 (NaN and infinities refused)."""
+
+    name = "fraction"
+
+    def convert(self, value, param, ctx):
+        try:
+            number = float(value)
+        except (TypeError, ValueError):
+            self.fail(f"{value!r} is not a number", param, ctx)
+        if not 0 <= number <= 1:  # false for NaN too
+            self.fail(f"{value!r} is not a number from 0 to 1", param, ctx)
+        return number
+
+
+FRACTION = _Fraction()
+EXIT_INVALID_CITATIONS = 3  # kb cite --strict
+
+
+def _when(value) -> str:
+    """A time as ISO-8601 in text output, "never" when there is none (never Python's None)."""
+    return value.isoformat(timespec="seconds") if value is not None else "never"
+
+
+UNITS = {"extract": "file", "parse": "doc", "chunk": "doc", "enrich": "chunk", "embed": "chunk", "publish": "doc",
+         "cards": "chunk"}
 
 
 def _progress_factory(enabled: bool):
-    """A progress bar on a terminal, plain lines otherwise (logs, CI)."""
-    def factory(stage: str, total: int | None):
-        if not enabled:
-            return lambda n: None
-        if sys.stderr.isatty():
+    """Each stage as a bar with total, rate and ETA on a terminal; a line when it starts and one when it ends
+    otherwise (logs, CI)."""
+    from pipelines.report import NO_PROGRESS, Progress
+
+    class Bar(Progress):
+        def __init__(self, stage: str):
             from tqdm import tqdm
 
-            bar = tqdm(total=total, desc=stage, unit="item", leave=False)
-            return bar.update
-        done = [0]
+            self.bar = tqdm(desc=f"{stage:<8}", unit=UNITS.get(stage, "it"), leave=False, dynamic_ncols=True)
 
-        def advance(n: int) -> None:
-            done[0] += n
-            click.echo(f"{stage}: {done[0]}{f'/{total}' if total else ''}", err=True)
-        return advance
+        def total(self, count: int) -> None:
+            self.bar.total = (self.bar.total or 0) + count
+            self.bar.refresh()
+
+        def advance(self, count: int = 1) -> None:
+            self.bar.update(count)
+
+        def done(self, report) -> None:
+            self.bar.close()
+
+    class Lines(Progress):
+        def __init__(self, stage: str):
+            self.stage, self.count, self.announced = stage, 0, False
+
+        def total(self, count: int) -> None:
+            click.echo(f"{self.stage}: {count} {'more ' if self.announced else ''}to do", err=True)
+            self.announced = True
+
+        def advance(self, count: int = 1) -> None:
+            self.count += count
+
+        def done(self, report) -> None:
+            click.echo(f"{self.stage}: done, {self.count} in {report.elapsed_s:.2f} s", err=True)
+
+    def factory(stage: str) -> Progress:
+        if not enabled:
+            return NO_PROGRESS
+        return Bar(stage) if sys.stderr.isatty() else Lines(stage)
     return factory
+
+
+def _usage_problem(exc: Exception) -> str | None:
+    """The one line to show when an error is the user's to fix (exit 2), else None."""
+    from pipelines.chat import ChatNotConfigured
+    from pipelines.database import DatabaseUnavailable
+    from pipelines.settings import ConfigError
+    from pipelines.sources import DeclarationError
+
+    if isinstance(exc, (DeclarationError, ConfigError, DatabaseUnavailable, ChatNotConfigured)):
+        return str(exc)
+    return None
+
+
+class UserError(click.ClickException):
+    """A mistake in the configuration, the input or a name that the user must fix: one line, exit 2. (click's
+    UsageError, kept for a wrong command line, also prints the command's usage, which would bury this line.)"""
+
+    exit_code = 2
 
 
 class _Commands(click.Group):
     def invoke(self, ctx: click.Context):
-        """A database that goes away mid-command is named as the cause (exit 1), not a traceback about a closed
-        connection."""
+        """Errors as one clear line: a usage or configuration problem exits 2 and says what to change, a database
+        that goes away mid-command is named as the cause, anything else exits 1; --verbose adds the traceback."""
+        import traceback
+
         import psycopg
 
         try:
             return super().invoke(ctx)
-        except psycopg.OperationalError as exc:
-            from pipelines.database import describe_lost_connection
+        except (click.ClickException, click.exceptions.Exit, click.Abort):
+            raise
+        except Exception as exc:
+            if ctx.params.get("verbose"):
+                traceback.print_exception(exc)
+            if problem := _usage_problem(exc):
+                raise UserError(problem) from exc
+            if isinstance(exc, psycopg.OperationalError):
+                from pipelines.database import describe_lost_connection
 
-            raise click.ClickException(describe_lost_connection(exc, load_settings())) from exc
+                raise click.ClickException(describe_lost_connection(exc, load_settings())) from exc
+            hint = "" if ctx.params.get("verbose") else " (--verbose shows the traceback)"
+            raise click.ClickException(f"{type(exc).__name__}: {exc}{hint}") from exc
 
 
 @click.group(cls=_Commands)
-def main() -> None:
+@click.version_option(package_name="kb", message="%(prog)s %(version)s")
+@click.option("--verbose", is_flag=True, help="Show the traceback of an error.")
+def main(verbose: bool) -> None:
     """kb: documents in, a retrieval-ready knowledge base out (PostgreSQL + pgvector)."""
-
-
-@contextmanager
-def _usage_errors():
-    """Declarations that cannot be made as asked are usage errors: exit 2 with the reason and what to do."""
-    from pipelines.sources import DeclarationError
-
-    try:
-        yield
-    except DeclarationError as exc:
-        raise click.UsageError(str(exc)) from None
 
 
 @main.command()
@@ -91,7 +175,8 @@ def ingest(paths, source_name, include, exclude, groups, allow_deletions, as_jso
     here is refused; change a declaration with `kb source update` or in its config file."""
     from pipelines.database import connect
     from pipelines.embedders import make_embedder
-    from pipelines.ingest import EXIT_FILE_FAILURES, ingest as run_ingest
+    from pipelines.golden import GateFailed
+    from pipelines.ingest import EXIT_FILE_FAILURES, EXIT_GATE_FAILED, ingest as run_ingest
     from pipelines.locks import source_locks
     from pipelines.sources import actor, get_source, load_sources, source_for_ingest
 
@@ -101,21 +186,25 @@ def ingest(paths, source_name, include, exclude, groups, allow_deletions, as_jso
         raise click.UsageError("--include, --exclude and --group declare a new source: give its PATH, or change a"
                                " declared source with `kb source update`")
     settings = load_settings()
-    with connect(settings) as conn, _usage_errors():
+    with connect(settings) as conn:
         if paths:
             who = actor("kb ingest")
             source_ids = [source_for_ingest(conn, p, source_name, include, exclude, groups or None, who) for p in paths]
         elif source_name:
             if get_source(conn, source_name) is None:
-                raise click.UsageError(f"no source {source_name!r} is declared; see `kb source list`")
+                raise UserError(f"no source {source_name!r} is declared; see `kb source list`")
             source_ids = [source_name]
         else:
             source_ids = [s.source_id for s in load_sources(conn)]
             if not source_ids:
                 raise click.UsageError("no source is declared: `kb ingest PATH`, `kb source add` or `kb source apply`")
         with source_locks(conn, source_ids):
-            summary = run_ingest(conn, make_embedder(settings), settings, source_ids,
-                                 progress=_progress_factory(not as_json), allow_deletions=allow_deletions)
+            try:
+                summary = run_ingest(conn, make_embedder(settings), settings, source_ids,
+                                     progress=_progress_factory(not as_json), allow_deletions=allow_deletions)
+            except GateFailed as failed:
+                _emit({"error": str(failed), "gate": failed.gate}, as_json, f"not published: {failed}")
+                sys.exit(EXIT_GATE_FAILED)
     data = summary.as_dict()
     lines = [f"{k.replace('_', ' ')}: {v}" for k, v in data.items() if k not in ("errors", "elapsed_s")]
     lines.append("elapsed: " + ", ".join(f"{k} {v:.2f}s" for k, v in data["elapsed_s"].items()))
@@ -128,20 +217,25 @@ def ingest(paths, source_name, include, exclude, groups, allow_deletions, as_jso
 @main.command()
 @click.option("--json", "as_json", is_flag=True)
 def status(as_json) -> None:
-    """Sources, document and chunk counts, failures and the last run."""
+    """Where the knowledge base is, its sources with document and chunk counts, failures and the last run."""
     from pipelines.database import connect
     from pipelines.status import knowledge_base_status
 
-    with connect(load_settings()) as conn:
-        data = knowledge_base_status(conn)
-    text = [f"{s['source_id']} ({s['kind']} {s['location']}; readable by {_readers(s['allowed_groups'])}):"
+    settings = load_settings()
+    with connect(settings) as conn:
+        data = {"home": {"path": str(settings.home), "found": settings.home_origin,
+                         "database": "DATABASE_URL" if settings.database_url else "embedded"},
+                **knowledge_base_status(conn)}
+    text = [f"knowledge base: {settings.home} ({settings.home_origin}; database:"
+            f" {'DATABASE_URL' if settings.database_url else 'embedded in it'})"]
+    text += [f"{s['source_id']} ({s['kind']} {s['location']}; readable by {_readers(s['allowed_groups'])}):"
             f" {s['documents']} documents, {s['chunks']} chunks, {s['deleted']} deleted, {s['failed']} failing,"
-            f" {s['stale']} stale, last crawled {s['last_crawled_at']}" for s in data["sources"]]
+            f" {s['stale']} stale, last crawled {_when(s['last_crawled_at'])}" for s in data["sources"]]
     text += [f"failing: {f['source_id']}:{f['locator']}: {f['reason']}" for f in data["failures"]]
     text.append(f"models: {', '.join(m['model_key'] + ' (' + m['state'] + ')' for m in data['models']) or 'none'}")
     if run := data["last_run"]:
-        text.append(f"last run: #{run['run_id']} started by {run['started_by']} at {run['started_at']},"
-                    f" {'finished ' + str(run['finished_at']) if run['finished_at'] else 'not finished'}")
+        text.append(f"last run: #{run['run_id']} started by {run['started_by']} at {_when(run['started_at'])},"
+                    f" {'finished ' + _when(run['finished_at']) if run['finished_at'] else 'not finished'}")
     _emit(data, as_json, "\n".join(text))
 
 
@@ -156,12 +250,12 @@ def _readers(groups) -> str:
 @click.option("--arm", type=click.Choice(["hybrid", "dense", "lexical"]), default="hybrid", show_default=True)
 @click.option("--mode", type=click.Choice(["chunks", "qa_first", "qa_only"]), default="chunks", show_default=True,
               help="Chunks, Q&A cards, or both with the cards that make the top k first.")
-@click.option("--lexical-weight", type=click.FloatRange(0, 1), help="RRF weight of the lexical arm (default: by query type).")
+@click.option("--lexical-weight", type=FRACTION, help="RRF weight of the lexical arm (default: by query type).")
 @click.option("--k-overfetch", default=20, show_default=True, type=click.IntRange(1, 1000))
 @click.option("--group", "groups", multiple=True, help="A group the caller belongs to (repeatable).")
 @click.option("--as-of", "as_of", type=click.DateTime(["%Y-%m-%dT%H:%M:%S%z", "%Y-%m-%dT%H:%M:%S", "%Y-%m-%d"]),
               help="Answer from the knowledge base as it was at this time (UTC unless an offset is given).")
-@click.option("--diversity", default=0.0, type=click.FloatRange(0, 1), help="MMR diversity over the candidates (0: off).")
+@click.option("--diversity", default=0.0, type=FRACTION, help="MMR diversity over the candidates (0: off).")
 @click.option("--freshness", default=0.0, type=click.FloatRange(0, None), help="Boost for recent documents (0: off).")
 @click.option("--no-rerank", is_flag=True, help="Skip the configured reranker (KB_RERANK).")
 @click.option("--no-exact-first", is_flag=True,
@@ -192,7 +286,8 @@ def search(query, k, source_id, arm, mode, lexical_weight, k_overfetch, groups, 
         + (f" > {' > '.join(c['section_path'])}" if c["section_path"] else "")
         + (f"\n   Q: {c['question']}" if c["kind"] == "card" else "")
         + (f"\n   {_explained(c)}" if debug else "")
-        + f"\n   {c['content'][:300]}" for i, c in enumerate(data["chunks"], 1)) or "no results"
+        + f"\n   {c['content'][:300]}" for i, c in enumerate(data["chunks"], 1)) or (
+        f"no results: {data['note']}" if data.get("note") else "no results")
     if debug:
         e = data["explain"]
         text = f"{e['kind']} query, lexical weight {e['lexical_weight']:g}: {e['reason']}\n\n{text}"
@@ -225,7 +320,7 @@ def history(document, as_json) -> None:
         versions = document_history(conn, document)
     if not versions:
         raise click.ClickException(f"no history for {document!r}")
-    text = "\n".join(f"v{v['version']} {v['recorded_at']:%Y-%m-%d %H:%M:%S} {v['event']:<9} {v['content_hash'] or '-'}"
+    text = "\n".join(f"v{v['version']} {_when(v['recorded_at'])} {v['event']:<9} {v['content_hash'] or '-'}"
                      f"  +{v['chunks_added']} -{v['chunks_closed']} ={v['chunks_kept']}" for v in versions)
     _emit(versions, as_json, text)
 
@@ -246,8 +341,10 @@ def sweep(freshness_hours, as_json) -> None:
         data = run_sweep(conn, window)
         if settings.retention_days is not None:
             data["retention"] = purge_history(conn, settings.retention_days)
-    text = [f"{data['stale_documents']} stale documents (oldest crawl {data['oldest_crawl']})"]
-    text += [f"  {s['source_id']}: {s['stale_documents']} stale, last crawled {s['last_crawled_at']}" for s in data["sources"]]
+    text = [f"{data['stale_documents']} stale documents" + (f" (oldest crawl {_when(data['oldest_crawl'])})"
+                                                            if data["oldest_crawl"] else "")]
+    text += [f"  {s['source_id']}: {s['stale_documents']} stale, last crawled {_when(s['last_crawled_at'])}"
+             for s in data["sources"]]
     _emit(data, as_json, "\n".join(text))
 
 
@@ -255,7 +352,7 @@ def sweep(freshness_hours, as_json) -> None:
 @click.argument("datasets", nargs=-1, type=click.Path(exists=True, file_okay=False, path_type=Path))
 @click.option("--split", help="qrels/<split>.tsv (default: test, or the dataset's only split)")
 @click.option("--database-url", help="Evaluate in this database (default: a kb_eval_<dataset> database of its own).")
-@click.option("--lexical-weight", "weights", multiple=True, type=click.FloatRange(0, 1),
+@click.option("--lexical-weight", "weights", multiple=True, type=FRACTION,
               help="Also evaluate hybrid with this fixed lexical weight (repeatable).")
 @click.option("--misses", is_flag=True, help="List the queries with no relevant document in the top 10.")
 @click.option("--per-query", "per_query_path", type=click.Path(dir_okay=False, path_type=Path),
@@ -268,9 +365,11 @@ def sweep(freshness_hours, as_json) -> None:
 @click.option("--group", "groups", multiple=True, help="With --answers: read as a member of this group.")
 @click.option("--hyde", is_flag=True, help="With --answers: HyDE retrieval (needs KB_CHAT_MODEL).")
 @click.option("--compress", is_flag=True, help="With --answers: contextual compression.")
+@click.option("--report", "report_dir", type=click.Path(file_okay=False, path_type=Path),
+              help="Write an HTML report with plots to this folder (index.html).")
 @click.option("--json", "as_json", is_flag=True)
 def evaluate(datasets, split, database_url, weights, misses, per_query_path, compare_path, answer_set, groups, hyde,
-             compress, as_json) -> None:
+             compress, report_dir, as_json) -> None:
     """Ingest BEIR datasets through the real pipeline and report hit@1/5/10, MRR@10, nDCG@10, recall@100 per
     arm, per query kind where the queries carry one (identifier sets), and against an earlier run; with
     --answers, score grounded answers on the current knowledge base."""
@@ -291,11 +390,9 @@ def evaluate(datasets, split, database_url, weights, misses, per_query_path, com
         for name, data in report.items():
             for cfg, result in data["results"].items():
                 if cfg in earlier.get(name, {}):
+                    result["earlier"] = earlier[name][cfg]
                     result["compared"] = {metric: paired_comparison(earlier[name][cfg], result["per_query"], metric)
                                           for metric in ("ndcg@10", "hit@5")}
-    for data in report.values():
-        for result in data["results"].values():
-            del result["per_query"]
     lines = []
     for name, data in report.items():
         lines += [f"{name} ({data['split']}, {data['queries']} queries)",
@@ -321,6 +418,16 @@ def evaluate(datasets, split, database_url, weights, misses, per_query_path, com
         lines.append(f"  abstention: precision {answers['abstention']['precision']}, recall {answers['abstention']['recall']}")
         lines.append(f"  answered {answers['answers']['answered']}, holding the expected answer"
                      f" {answers['answers']['holding_expected']}, citations VALID {answers['answers']['citation_validity']}")
+    if report_dir:
+        from pipelines.eval_report import write_report
+
+        lines.append(f"report: {write_report(report, report_dir)}")
+    for name, data in report.items():  # the JSON keeps summaries, not every query
+        for result in data.get("results", {}).values():
+            for key in ("per_query", "earlier"):
+                result.pop(key, None)
+            latency = sorted(result.pop("latency_ms", []) or [0])
+            result["latency_ms"] = {"median": latency[len(latency) // 2], "p95": latency[int(0.95 * len(latency)) - 1]}
     _emit(report, as_json, "\n".join(lines).rstrip())
 
 
@@ -340,7 +447,7 @@ def serve(host, port, require_key) -> None:
     from pipelines.api import create_app
 
     if os.environ.get("KB_API_KEY"):
-        raise click.UsageError("KB_API_KEY is no longer read: create per-caller keys bound to groups with"
+        raise UserError("KB_API_KEY is no longer read: create per-caller keys bound to groups with"
                                " `kb keys create NAME --group G`, then unset KB_API_KEY")
     uvicorn.run(create_app(require_key=require_key), host=host, port=port)
 
@@ -348,23 +455,33 @@ def serve(host, port, require_key) -> None:
 @main.command()
 @click.argument("answer", type=click.File("r"))
 @click.option("--group", "groups", multiple=True, help="Read as a caller in this group (repeatable).")
+@click.option("--strict", is_flag=True, help="Exit 3 when any citation is INVALID.")
 @click.option("--json", "as_json", is_flag=True)
-def cite(answer, groups, as_json) -> None:
+def cite(answer, groups, strict, as_json) -> None:
     """Validate an answer's citations. ANSWER is a JSON file (or - for stdin):
     {"claims": [{"text": ..., "citations": [chunk_id, ...]}], "retrieved": [chunk_id, ...]}."""
     from pipelines.database import connect
     from pipelines.service import EmptyKnowledgeBase, run_citation_check
 
-    payload = json.load(answer)
+    try:
+        payload = json.load(answer)
+        claims, retrieved = payload.get("claims", []), payload.get("retrieved", [])
+        if not isinstance(claims, list) or not all(isinstance(c, dict) and isinstance(c.get("text"), str) for c in claims):
+            raise ValueError('"claims" must be a list of {"text": ..., "citations": [chunk id, ...]}')
+        if not isinstance(retrieved, list) or not all(isinstance(i, int) for i in retrieved):
+            raise ValueError('"retrieved" must be a list of chunk ids')
+    except (ValueError, AttributeError) as exc:
+        raise UserError(f"{answer.name}: not an answer to check: {exc}") from None
     settings = load_settings()
     with connect(settings) as conn:
         try:
-            data = run_citation_check(conn, settings, payload.get("claims", []), payload.get("retrieved", []),
-                                      list(groups))
+            data = run_citation_check(conn, settings, claims, retrieved, list(groups))
         except EmptyKnowledgeBase as exc:
             raise click.ClickException(str(exc)) from exc
     text = "\n".join(f"{c['status']:<8} chunk {c['chunk_id']}: {c['reason']} | {c['claim'][:70]}" for c in data["citations"])
     _emit(data, as_json, text)
+    if strict and data["summary"]["INVALID"]:
+        sys.exit(EXIT_INVALID_CITATIONS)
 
 
 @main.command()
@@ -382,7 +499,6 @@ def cite(answer, groups, as_json) -> None:
 def ask(question, k, mode, source_id, groups, as_of, hyde, compress, no_rerank, as_json) -> None:
     """Answer from the documents, every sentence citing its sources (checked), or say it is not there."""
     from pipelines.answer import answer_question
-    from pipelines.chat import ChatNotConfigured
     from pipelines.database import connect
     from pipelines.search import Filters
     from pipelines.service import EmptyKnowledgeBase
@@ -396,8 +512,6 @@ def ask(question, k, mode, source_id, groups, as_of, hyde, compress, no_rerank, 
                                    compress=compress, filters=Filters(source_id=source_id, groups=list(groups), as_of=as_of))
         except EmptyKnowledgeBase as exc:
             raise click.ClickException(str(exc)) from exc
-        except ChatNotConfigured as exc:
-            raise click.UsageError(str(exc)) from exc
     lines = [data["answer"]]
     if data["abstained"]:
         lines.append(f"({data['reason']})")
@@ -470,7 +584,7 @@ def source_add(name, path, include, exclude, groups, freshness_hours, refresh_cr
     from pipelines.database import connect
     from pipelines.sources import actor, add_source, declare
 
-    with connect(load_settings()) as conn, _usage_errors():
+    with connect(load_settings()) as conn:
         declared = declare(name, path, include, exclude, groups or None, freshness_hours, refresh_cron,
                            allow_outside_links, max_deletion_share)
         written = add_source(conn, declared, actor("kb source add"))
@@ -503,7 +617,7 @@ def source_show(name, as_json):
         declared = get_source(conn, name)
         changes = source_changes(conn, name)
     if declared is None and not changes:
-        raise click.UsageError(f"no source {name!r} is declared; see `kb source list`")
+        raise UserError(f"no source {name!r} is declared; see `kb source list`")
     data = {"source": _source_dict(declared) if declared else None, "changes": changes}
     lines = [_source_line(declared) if declared else f"{name}: removed"]
     lines += [f"  {c['changed_at'].isoformat()} {c['action']} by {c['actor']} (database user {c['db_user']})"
@@ -550,7 +664,7 @@ def source_update(name, location, include, exclude, clear_globs, groups, public,
         changes["groups"] = groups or None
     if not changes:
         raise click.UsageError("nothing to change: give at least one option (see --help)")
-    with connect(load_settings()) as conn, _usage_errors():
+    with connect(load_settings()) as conn:
         updated = update_source(conn, name, actor("kb source update"), **changes)
     _emit(_source_dict(updated), as_json, "updated " + _source_line(updated))
 
@@ -563,7 +677,7 @@ def source_remove(name, as_json):
     from pipelines.database import connect
     from pipelines.sources import actor, remove_source
 
-    with connect(load_settings()) as conn, _usage_errors():
+    with connect(load_settings()) as conn:
         deleted = remove_source(conn, name, actor("kb source remove"))
         _sync_dagster(conn)
     _emit({"source_id": name, "documents_deleted": deleted}, as_json,
@@ -582,14 +696,110 @@ def source_apply(config, prune, as_json):
     settings = load_settings()
     config = config or settings.config_path
     if config is None:
-        raise click.UsageError("no config file: give one, set KB_CONFIG, or create ./kb.toml")
-    with connect(settings) as conn, _usage_errors():
+        raise UserError("no config file: give one, set KB_CONFIG, or create ./kb.toml")
+    with connect(settings) as conn:
         result = apply_config(conn, config, actor(f"kb source apply {config}"), prune)
         _sync_dagster(conn)
     lines = [f"{what}: {', '.join(names)}" for what, names in result.items() if names]
     if result["not_in_file"]:
         lines.append("(sources no longer in the file stay declared; --prune removes them)")
     _emit(result, as_json, "\n".join(lines) or "nothing declared")
+
+
+@main.group(name="dagster")
+def dagster_group() -> None:
+    """Run kb's Dagster jobs and UI on an instance kept in PostgreSQL (its own database beside kb's, kb_dagster on the embedded server)."""
+
+
+@dagster_group.command("ingest")
+@click.argument("sources", nargs=-1)
+@click.option("--json", "as_json", is_flag=True)
+def dagster_ingest(sources, as_json) -> None:
+    """Run the Dagster `ingest` job for these declared sources (default: all), one run per source through the
+    job's executor (in process; a dask cluster with KB_DASK_SCHEDULER), quietly; print each run's counters. The
+    runs, named `ingest`, show in the UI (`kb dagster dev`)."""
+    from assets.partitions import sync_source_partitions
+    from assets.runs import execute
+    from pipelines.sources import load_sources
+    from pipelines.status import knowledge_base_status
+
+    results = {}
+    with _dagster_instance() as (conn, instance):
+        declared = [s.source_id for s in load_sources(conn)]
+        unknown = sorted(set(sources) - set(declared))
+        if unknown:
+            raise UserError(f"not declared: {', '.join(unknown)}; see `kb source list`")
+        sync_source_partitions(instance, declared)
+        for source_id in sources or declared:
+            outcome = execute("ingest", instance, partition=source_id)
+            last = knowledge_base_status(conn)["last_run"]
+            results[source_id] = {"run_id": outcome.run_id, "success": outcome.success, "failure": outcome.failure,
+                                  "counters": last["counters"] if last and last["external_run_id"] == outcome.run_id
+                                  else {}}
+    lines = []
+    for source_id, result in results.items():
+        c = result["counters"]
+        lines.append(f"{source_id}: run {result['run_id'][:8]} " + ("succeeded" if result["success"] else "FAILED")
+                     + (f": {c.get('documents_seen', 0)} documents seen, {c.get('documents_new', 0)} new,"
+                        f" {c.get('documents_changed', 0)} changed, {c.get('documents_deleted', 0)} deleted,"
+                        f" {c.get('documents_failed', 0)} failed; {c.get('chunks_written', 0)} chunks written,"
+                        f" {c.get('embeddings_computed', 0)} embedded, {c.get('cards_written', 0)} cards" if c else "")
+                     + (f"\n  {result['failure']}" if result["failure"] else ""))
+    _emit(results, as_json, "\n".join(lines))
+    if not all(r["success"] for r in results.values()):
+        sys.exit(1)
+
+
+@dagster_group.command("reembed")
+@click.option("--json", "as_json", is_flag=True)
+def dagster_reembed(as_json) -> None:
+    """Run the Dagster `reembed` job: the configured model's vectors for every live chunk in 16 hash shards
+    (over local processes; over a dask cluster's workers with KB_DASK_SCHEDULER), then switch search to it."""
+    from assets.runs import execute
+
+    with _dagster_instance() as (_, instance):
+        outcome = execute("reembed", instance)
+    summary = outcome.outputs.get("model_backfill.backfill_summary", {})
+    data = {"run_id": outcome.run_id, "success": outcome.success, "failure": outcome.failure, **summary}
+    text = (f"reembed: run {outcome.run_id[:8]} " + ("succeeded" if outcome.success else "FAILED")
+            + (f": {summary['shards_done']} shards on {len(summary['workers'])} workers, {summary['computed']} vectors"
+               f" computed; search uses {summary['model']}" if summary else "")
+            + (f"\n  {outcome.failure}" if outcome.failure else ""))
+    _emit(data, as_json, text)
+    if not outcome.success:
+        sys.exit(1)
+
+
+@contextmanager
+def _dagster_instance():
+    """kb's database (holding the embedded server while the runs last) and its Dagster instance."""
+    import dagster as dg
+
+    from assets.instance import prepare_instance
+    from pipelines.database import connect
+
+    settings = load_settings()
+    with connect(settings) as conn:
+        prepare_instance(settings)
+        with dg.DagsterInstance.get() as instance:
+            yield conn, instance
+
+
+@dagster_group.command("dev")
+def dagster_dev() -> None:
+    """The Dagster UI and daemon (`dagster dev`) on kb's instance, holding the embedded server while they run."""
+    import os
+    import subprocess
+
+    from assets.instance import prepare_instance
+    from pipelines.database import connect
+    from pipelines.settings import REPO_ROOT
+
+    settings = load_settings()
+    with connect(settings):
+        prepare_instance(settings)
+        sys.exit(subprocess.call([str(Path(sys.executable).parent / "dagster"), "dev", "-w",
+                                  str(REPO_ROOT / "workspace.yaml")], env=os.environ, cwd=REPO_ROOT))
 
 
 @main.group()
@@ -607,7 +817,7 @@ def keys_create(name, groups, as_json):
     from pipelines.database import connect
     from pipelines.sources import actor
 
-    with connect(load_settings()) as conn, _usage_errors():
+    with connect(load_settings()) as conn:
         key, token = create_key(conn, name, groups, actor("kb keys create"))
     _emit({"name": key.name, "key_id": key.key_id, "groups": list(key.groups), "key": token}, as_json,
           f"{token}\nkey {key.name!r} ({key.key_id}) reads {_readers(key.groups)}; store it now, it is not shown again")
@@ -641,5 +851,5 @@ def keys_revoke(name_or_id, as_json):
     with connect(load_settings()) as conn:
         revoked = revoke_key(conn, name_or_id)
     if not revoked:
-        raise click.UsageError(f"no live key named {name_or_id!r}; see `kb keys list`")
+        raise UserError(f"no live key named {name_or_id!r}; see `kb keys list`")
     _emit({"revoked": [k.key_id for k in revoked]}, as_json, "revoked " + ", ".join(f"{k.name} ({k.key_id})" for k in revoked))

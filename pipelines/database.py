@@ -85,6 +85,17 @@ def database_url(settings: Settings) -> str:
 _migrated: set[str] = set()
 
 
+class DatabaseUnavailable(RuntimeError):
+    """The configured database cannot serve kb (unreachable, or without pgvector): a configuration problem."""
+
+
+def _where(settings: Settings) -> str:
+    if not settings.database_url:
+        return f"the embedded server in {settings.home / 'pgdata'}"
+    info = psycopg.conninfo.conninfo_to_dict(settings.database_url)
+    return f"{info.get('host') or 'localhost'}:{info.get('port') or 5432}/{info.get('dbname') or ''}"
+
+
 @contextmanager
 def connect(settings: Settings) -> Iterator[psycopg.Connection]:
     """An autocommit connection to an up-to-date schema; atomic work uses explicit `conn.transaction()` blocks.
@@ -92,10 +103,22 @@ def connect(settings: Settings) -> Iterator[psycopg.Connection]:
     dicts are sent as jsonb and numpy arrays as pgvector vectors.
     """
     url = database_url(settings)
-    conn = psycopg.connect(url, autocommit=True)
+    try:
+        conn = psycopg.connect(url, autocommit=True, connect_timeout=10)
+    except psycopg.OperationalError as exc:
+        raise DatabaseUnavailable(f"cannot connect to PostgreSQL at {_where(settings)}: {' '.join(str(exc).split())};"
+                                  " check DATABASE_URL (unset, kb uses its embedded server)") from None
     try:
         if url not in _migrated:
-            migrate(conn)
+            try:
+                migrate(conn)
+            except (psycopg.errors.FeatureNotSupported, psycopg.errors.UndefinedFile) as exc:
+                if "vector" not in str(exc):
+                    raise
+                raise DatabaseUnavailable(
+                    f"the PostgreSQL server at {_where(settings)} has no pgvector extension ({str(exc).splitlines()[0]}):"
+                    " install pgvector on it (https://github.com/pgvector/pgvector), or unset DATABASE_URL to use kb's"
+                    " embedded server") from None
             _migrated.add(url)
         register_vector(conn)
         conn.adapters.register_dumper(dict, JsonbDumper)
@@ -106,11 +129,8 @@ def connect(settings: Settings) -> Iterator[psycopg.Connection]:
 
 def describe_lost_connection(error: psycopg.OperationalError, settings: Settings) -> str:
     """What a user needs when the database goes away mid-run: where it was, why, and what is safe."""
-    where = settings.database_url and psycopg.conninfo.conninfo_to_dict(settings.database_url)
-    server = (f"{where.get('host') or 'localhost'}:{where.get('port') or 5432}/{where.get('dbname') or ''}" if where
-              else f"the embedded server in {settings.home / 'pgdata'}")
     cause = " ".join(str(error).split()) or type(error).__name__
-    return (f"lost the connection to PostgreSQL ({server}): {cause}. Work committed before this point is kept;"
+    return (f"lost the connection to PostgreSQL ({_where(settings)}): {cause}. Work committed before this point is kept;"
             " run the command again once the server is back, and it resumes where it stopped.")
 
 

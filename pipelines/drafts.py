@@ -14,7 +14,7 @@ from pipelines.elements import load_elements
 from pipelines.enrich import ENRICH_VERSION, context_title, embed_text, extract_entities
 from pipelines.hashing import hash_text
 from pipelines.failures import Failure, record_failure
-from pipelines.report import StageReport
+from pipelines.report import NO_PROGRESS, Progress, StageReport
 from pipelines.settings import Limits
 from pipelines.tokens import TokenCounter
 
@@ -43,12 +43,14 @@ DRAFT_COLUMNS = ("document_id", "ordinal", "build_key", "kind", "text", "section
 
 
 def chunk_pending(conn: psycopg.Connection, counter: TokenCounter, source_ids: list[str] | None = None,
-                  batch_size: int = 256, progress=None, max_chunks: int = Limits.max_chunks_per_document) -> StageReport:
+                  batch_size: int = 256, progress: Progress = NO_PROGRESS,
+                  max_chunks: int = Limits.max_chunks_per_document) -> StageReport:
     """Draft the chunks of every parsed document whose live chunks are not of its content and chunker. A document
     with more than max_chunks chunks fails alone and keeps its last good version."""
     report = StageReport("chunk", ("documents", "chunks"))
     chunker = Chunker(counter)
     pending = conn.execute(TO_CHUNK, {"chunker": CHUNKER_VERSION, "enricher": ENRICH_VERSION, "ids": source_ids}).fetchall()
+    progress.total(len(pending))
     for start in range(0, len(pending), batch_size):
         batch = pending[start:start + batch_size]
         ids = [row[0] for row in batch]
@@ -70,8 +72,7 @@ def chunk_pending(conn: psycopg.Connection, counter: TokenCounter, source_ids: l
                 report.fail(failure)
                 record_failure(conn, failure, content_hash)
         report.counts["documents"] += len(batch) - len(too_long)
-        if progress:
-            progress(len(batch))
+        progress.advance(len(batch))
     return report.finish()
 
 
@@ -90,11 +91,13 @@ ENRICHED_COLUMNS = ("document_id", "ordinal", "embed_text", "text_hash", "entiti
 
 
 def enrich_pending(conn: psycopg.Connection, counter: TokenCounter, source_ids: list[str] | None = None,
-                   batch_size: int = 2000) -> StageReport:
+                   batch_size: int = 2000, progress: Progress = NO_PROGRESS) -> StageReport:
     """Fill in what gets embedded; token_count becomes the count of the embedded text, the one that must fit."""
     report = StageReport("enrich", ("chunks",))
     after = (0, 0)  # keyset pagination: drafts stream in batches, never all in memory
     params = {"enricher": ENRICH_VERSION, "ids": source_ids, "limit": batch_size}
+    progress.total(conn.execute(f"SELECT count(*) FROM ({TO_ENRICH}) t",
+                                {**params, "limit": None, "after_doc": 0, "after_ordinal": 0}).fetchone()[0])
     while rows := conn.execute(TO_ENRICH, {**params, "after_doc": after[0], "after_ordinal": after[1]}).fetchall():
         texts = [embed_text(context_title(counter, title), path, text) for _, _, title, path, text in rows]
         enriched = [(doc_id, ordinal, full, hash_text(full), Jsonb(extract_entities(full)), tokens)
@@ -107,5 +110,6 @@ def enrich_pending(conn: psycopg.Connection, counter: TokenCounter, source_ids: 
                 (ENRICH_VERSION,),
             )
         report.counts["chunks"] += len(rows)
+        progress.advance(len(rows))
         after = rows[-1][:2]
     return report.finish()

@@ -15,7 +15,7 @@ from psycopg import sql
 from pipelines import bulk
 from pipelines.embedders import Embedder
 from pipelines.failures import Failure, record_failure
-from pipelines.report import StageReport
+from pipelines.report import NO_PROGRESS, Progress, StageReport
 from pipelines.vector_store import active_model, defer_index, ensure_index, ensure_vector_store
 
 # Texts of drafts and of live chunks with no vector in this model's table, in hash order (keyset pages, so an
@@ -41,7 +41,8 @@ WHERE c.text_hash IS NOT NULL AND EXISTS (SELECT 1 FROM {vectors} v WHERE v.text
 
 
 def embed_pending(conn: psycopg.Connection, embedder: Embedder, source_ids: list[str] | None = None,
-                  shards: list[str] | None = None, batch_size: int = 256, progress=None) -> StageReport:
+                  shards: list[str] | None = None, batch_size: int = 256,
+                  progress: Progress = NO_PROGRESS) -> StageReport:
     report = StageReport("embed", ("computed", "reused", "index_deferred"))
     table = ensure_vector_store(conn, embedder.model_key, embedder.dimensions)
     vectors = sql.Identifier(table)
@@ -50,9 +51,10 @@ def embed_pending(conn: psycopg.Connection, embedder: Embedder, source_ids: list
     query = sql.SQL(MISSING).format(vectors=vectors)
     params = {"limit": batch_size, "shards": shards, "ids": source_ids}
     serving = active_model(conn) == embedder.model_key
+    missing = conn.execute(sql.SQL("SELECT count(*) FROM ({}) m").format(query),
+                           {**params, "after": after, "limit": None}).fetchone()[0]
+    progress.total(missing)
     if serving:
-        missing = conn.execute(sql.SQL("SELECT count(*) FROM ({}) m").format(query),
-                               {**params, "after": after, "limit": None}).fetchone()[0]
         report.counts["index_deferred"] = int(defer_index(conn, table, missing))
     while rows := conn.execute(query, {**params, "after": after}).fetchall():
         hashes = [r[0] for r in rows]
@@ -64,11 +66,18 @@ def embed_pending(conn: psycopg.Connection, embedder: Embedder, source_ids: list
         _fail_documents(conn, embedder.model_key, {hashes[i]: why for i, why in bad.items()}, report)
         report.counts["computed"] += len(rows) - len(bad)
         after = hashes[-1]
-        if progress:
-            progress(len(rows))
+        progress.advance(len(rows))
     if serving:
         ensure_index(conn, table)
     return report.finish()
+
+
+def missing_by_shard(conn: psycopg.Connection, embedder: Embedder) -> dict[str, int]:
+    """{shard: texts still without a vector in this model}, shards with none left out: what a backfill has left."""
+    table = ensure_vector_store(conn, embedder.model_key, embedder.dimensions)
+    query = sql.SQL("SELECT left(m.text_hash, 1), count(*) FROM ({}) m GROUP BY 1 ORDER BY 1").format(
+        sql.SQL(MISSING).format(vectors=sql.Identifier(table)))
+    return dict(conn.execute(query, {"after": "", "limit": None, "shards": None, "ids": None}).fetchall())
 
 
 def invalid_vectors(vectors: np.ndarray, count: int, dimensions: int) -> dict[int, str]:

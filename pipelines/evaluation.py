@@ -7,6 +7,7 @@ recip_rank over the top 10, plus nDCG@10 and recall@100. A document's rank is it
 from __future__ import annotations
 
 import json
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -25,6 +26,7 @@ class Configuration:
     arm: str
     lexical_weight: float | None = None
     rerank: bool = False
+    mode: str = "chunks"
 
 
 CONFIGURATIONS = (
@@ -91,15 +93,17 @@ def evaluate(conn: psycopg.Connection, embedder: Embedder, queries: dict[str, st
     cached = _CachedQueries(embedder, {text: vectors[q] for q, text in queries.items()})
     report = {}
     for config in configurations:
-        run = {}
+        run, latency_ms = {}, []
         for qid, text in queries.items():
+            started = time.perf_counter()
             hits = search(conn, cached, text, CHUNKS_PER_QUERY, arm=config.arm, lexical_weight=config.lexical_weight,
-                          k_overfetch=CHUNKS_PER_QUERY, filters=Filters(source_id=source_id))
+                          k_overfetch=CHUNKS_PER_QUERY, filters=Filters(source_id=source_id), mode=config.mode)
             if config.rerank:  # the reranker sees the over-fetched head, as in serving
                 hits = reranker.rerank(text, hits[:k_overfetch]) + hits[k_overfetch:]
+            latency_ms.append(round((time.perf_counter() - started) * 1000, 2))
             run[qid] = document_run(hits)
         means, per_query = score(run, qrels)
-        entry = {"metrics": means, "queries": len(queries), "per_query": per_query}
+        entry = {"metrics": means, "queries": len(queries), "per_query": per_query, "latency_ms": latency_ms}
         if misses:
             entry["misses"] = [{"query_id": q, "query": queries[q], "relevant": sorted(qrels[q]),
                                 "top5": list(run[q])[:5]} for q, m in per_query.items() if not m["hit@10"]]
@@ -176,6 +180,7 @@ def evaluate_dataset(settings, dataset: Path, split: str | None = None, database
     from pipelines.embedders import make_embedder
     from pipelines.ingest import ingest
     from pipelines.sources import actor, add_source, declare, get_source, update_source
+    from pipelines.status import ingest_statistics
 
     name = re.sub(r"[^a-z0-9]+", "_", dataset.resolve().name.lower())
     split = split or default_split(dataset)
@@ -193,13 +198,18 @@ def evaluate_dataset(settings, dataset: Path, split: str | None = None, database
         else:
             update_source(conn, source_id, actor("kb eval"), location=corpus.location)
         summary = ingest(conn, embedder, settings, [source_id], **({"progress": progress} if progress else {}))
+        if summary.counters()["cards_written"] or conn.execute(
+                "SELECT 1 FROM chunks c JOIN documents d USING (document_id) WHERE d.source_id = %s AND c.kind = 'card'"
+                " LIMIT 1", (source_id,)).fetchone():
+            configs.append(Configuration("hybrid qa_first", "hybrid", mode="qa_first"))
         results = evaluate(conn, embedder, queries, qrels, source_id, configs, misses, reranker)
+        statistics = ingest_statistics(conn, [source_id])
         kinds = classifier_kinds(conn, queries, source_id)
     if any(metadata.values()):
         for result in results.values():
             result["groups"] = by_group(result["per_query"], metadata)
     return {"dataset": str(dataset), "split": split, "queries": len(queries), "ingest": summary.counters(),
-            "classifier": kinds, "results": results}
+            "classifier": kinds, "results": results, "statistics": statistics}
 
 
 def evaluate_answers(conn: psycopg.Connection, settings, path: Path, groups: list[str], k: int = 5,

@@ -30,7 +30,7 @@ from pipelines.elements import Element, ParsedDocument, without_nul, write_eleme
 from pipelines.failures import Failure, record_failure
 from pipelines.formats import UnsupportedFormat, format_of
 from pipelines.hashing import hash_file, hash_text
-from pipelines.report import StageReport
+from pipelines.report import NO_PROGRESS, Progress, StageReport
 from pipelines.settings import Limits
 from pipelines.sources import Source, source_file
 
@@ -82,9 +82,10 @@ def _printable(name: str) -> str:
     return os.fsencode(name).decode("utf-8", "backslashreplace")
 
 
-def walk_folder(crawl: Crawl, known: Known) -> Iterator[Found]:
+def walk_folder(crawl: Crawl, known: Known, progress: Progress = NO_PROGRESS) -> Iterator[Found]:
     """Yield the folder's files in a stable order; hidden files and folders are skipped, symlinked folders are
-    not followed. A folder that cannot be listed is recorded, and nothing stored under it is deleted."""
+    not followed. A folder that cannot be listed is recorded, and nothing stored under it is deleted. The folder is
+    listed first (cheap next to reading the files), so that progress knows the total."""
     source = crawl.source
     root = Path(source.location)
     if not root.is_dir():
@@ -97,6 +98,7 @@ def walk_folder(crawl: Crawl, known: Known) -> Iterator[Found]:
         crawl.fail(prefix or ".", f"cannot read folder {_printable(str(exc.filename))}: {exc.strerror};"
                                   " documents stored under it are kept")
 
+    listed: list[tuple[Path, str]] = []
     for dirpath, dirnames, filenames in os.walk(root, onerror=unreadable):
         dirnames[:] = sorted(d for d in dirnames if not d.startswith("."))
         for name in sorted(f for f in filenames if not f.startswith(".")):
@@ -108,13 +110,16 @@ def walk_folder(crawl: Crawl, known: Known) -> Iterator[Found]:
                 crawl.fail(_printable(relpath), f"{_printable(str(path))}: the file name is not valid UTF-8;"
                                                 " rename the file")
                 continue
-            try:
-                yield _inspect_file(source_file(source.location, relpath, source.allow_outside_links), relpath,
-                                    known.get(relpath), crawl.limits)
-            except (OSError, UnsupportedFormat, ValueError) as exc:
-                reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
-                crawl.fail(relpath, f"cannot read {path}: {reason}" if isinstance(exc, OSError) else f"{path}: {reason}")
-                yield Found(relpath, "", 0, None, None, failed=True)
+            listed.append((path, relpath))
+    progress.total(len(listed))
+    for path, relpath in listed:
+        try:
+            yield _inspect_file(source_file(source.location, relpath, source.allow_outside_links), relpath,
+                                known.get(relpath), crawl.limits)
+        except (OSError, UnsupportedFormat, ValueError) as exc:
+            reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+            crawl.fail(relpath, f"cannot read {path}: {reason}" if isinstance(exc, OSError) else f"{path}: {reason}")
+            yield Found(relpath, "", 0, None, None, failed=True)
 
 
 def _inspect_file(path: Path, relpath: str, stored: tuple[int, datetime | None, str] | None, limits: Limits) -> Found:
@@ -199,7 +204,7 @@ def _record_problem(record: dict, limits: Limits) -> str | None:
     return None
 
 
-def read_records(crawl: Crawl) -> Iterator[Found]:
+def read_records(crawl: Crawl, progress: Progress = NO_PROGRESS) -> Iterator[Found]:
     """Yield each JSONL record (`_id`, `title`, `text`, other fields as metadata). A bad record is a failure under
     its _id; a line whose _id cannot be read is a failure under "line N" and blinds the crawl (nothing deleted).
     An _id on several lines is an error for that _id: every copy is rejected and its last good version stays."""
@@ -209,6 +214,7 @@ def read_records(crawl: Crawl) -> Iterator[Found]:
         record, _ = _decode(raw)
         if (locator := _identity(raw, record)) is not None:
             copies[locator] += 1
+    progress.total(len(copies))  # one item per _id, however many lines carry it
     lines_of: dict[str, list[int]] = {}
     for line_no, raw in _lines(location):
         record, problem = _decode(raw)
@@ -322,16 +328,17 @@ def _deletions(crawl: Crawl, known: Known, allow_deletions: bool) -> list[str]:
 
 
 def crawl_source(conn: psycopg.Connection, source: Source, report: StageReport, limits: Limits,
-                 allow_deletions: bool = False, batch_size: int = 500) -> None:
+                 allow_deletions: bool = False, batch_size: int = 500, progress: Progress = NO_PROGRESS) -> None:
     """Crawl one source: upsert what changed, soft-delete what disappeared, all in one transaction."""
     crawl = Crawl(source, report, limits)
     with conn.transaction():
         known = _known_documents(conn, source.source_id)
-        found = walk_folder(crawl, known) if source.kind == "folder" else read_records(crawl)
+        found = walk_folder(crawl, known, progress) if source.kind == "folder" else read_records(crawl, progress)
         batch: list[Found] = []
         for item in found:
             crawl.seen.add(item.locator)
             report.counts["seen"] += 1
+            progress.advance()
             batch.append(item)
             if len(batch) >= batch_size:
                 _write_batch(conn, crawl, batch, known)
@@ -352,11 +359,11 @@ def crawl_source(conn: psycopg.Connection, source: Source, report: StageReport, 
 
 
 def extract(conn: psycopg.Connection, sources: list[Source], limits: Limits = Limits(),
-            allow_deletions: bool = False) -> StageReport:
+            allow_deletions: bool = False, progress: Progress = NO_PROGRESS) -> StageReport:
     report = StageReport(STAGE, ("seen", "new", "changed", "unchanged", "deleted"))
     for source in sources:
         try:
-            crawl_source(conn, source, report, limits, allow_deletions)
+            crawl_source(conn, source, report, limits, allow_deletions, progress=progress)
         except OSError as exc:  # the source itself is out of reach: nothing changed, nothing deleted
             failure = Failure(source.source_id, source.location, STAGE, f"cannot crawl source: {exc}")
             report.fail(failure)

@@ -19,18 +19,20 @@ from pipelines.cards import generate_cards
 from pipelines.drafts import chunk_pending, enrich_pending
 from pipelines.embedders import Embedder, embedder_for
 from pipelines.embedding import embed_pending
+from pipelines.golden import GateFailed, golden_gate
 from pipelines.extract import extract
 from pipelines.parse import parse_pending
 from pipelines.publish import publish_ready
-from pipelines.report import StageReport
+from pipelines.report import NO_PROGRESS, Progress, StageReport
 from pipelines.settings import Settings
 from pipelines.sources import load_sources
 from pipelines.vector_store import activate_if_complete, model_tables
 
-# progress(stage, total) -> advance(n); total is None when unknown up front.
-ProgressFactory = Callable[[str, int | None], Callable[[int], None]]
+# progress(stage) -> what that stage reports to while it runs (pipelines/report.Progress)
+ProgressFactory = Callable[[str], Progress]
 
 EXIT_FILE_FAILURES = 3  # documented in README: the run finished, but some files failed
+EXIT_GATE_FAILED = 4  # the golden-set gate stopped the refresh: nothing of it was published
 STAGES = ("extract", "parse", "chunk", "enrich", "embed", "publish", "cards")
 
 
@@ -70,12 +72,12 @@ class IngestSummary:
             {"source": f.source_id, "file": f.locator, "stage": f.stage, "reason": f.reason} for f in self.failures]}
 
 
-def _no_progress(stage: str, total: int | None) -> Callable[[int], None]:
-    return lambda n: None
+def _no_progress(stage: str) -> Progress:
+    return NO_PROGRESS
 
 
 def embed_all_models(conn: psycopg.Connection, embedder: Embedder, settings: Settings,
-                     source_ids: list[str] | None = None, progress=None) -> StageReport:
+                     source_ids: list[str] | None = None, progress: Progress = NO_PROGRESS) -> StageReport:
     """Embed with the configured model, and, while a model switch is under way, with the serving one too, so that
     new documents are searchable before and after the switch. Counters are the configured model's."""
     batch = settings.embed_batch_size
@@ -109,13 +111,25 @@ class IngestRun:
         return cls(conn, settings, embedder, ids, run_id, progress, allow_deletions)
 
     def run_stage(self, stage: str) -> StageReport:
-        """Run one stage and record its report; the last stage also finishes the run."""
-        report = getattr(self, f"_{stage}")()
-        self.conn.execute("UPDATE ingest_runs SET stages = stages || jsonb_build_object(%s::text, %s::jsonb)"
-                          " WHERE run_id = %s", (stage, Jsonb(report.as_dict()), self.run_id))
+        """Run one stage and record its report; the last stage also finishes the run. A refresh the golden-set
+        gate stops is recorded (with the gate's result) and raised as GateFailed."""
+        progress = self.progress(stage)
+        try:
+            report = getattr(self, f"_{stage}")(progress)
+        except GateFailed as failed:
+            report = StageReport(stage)
+            report.notes = {"gate": failed.gate, "published": False}
+            self._record(stage, report)
+            raise
+        progress.done(report)
+        self._record(stage, report)
         if stage == STAGES[-1]:
             self.finish()
         return report
+
+    def _record(self, stage: str, report: StageReport) -> None:
+        self.conn.execute("UPDATE ingest_runs SET stages = stages || jsonb_build_object(%s::text, %s::jsonb)"
+                          " WHERE run_id = %s", (stage, Jsonb(report.as_dict()), self.run_id))
 
     def run_all(self) -> IngestSummary:
         for stage in STAGES:
@@ -136,30 +150,41 @@ class IngestRun:
         stored = self.conn.execute("SELECT stages FROM ingest_runs WHERE run_id = %s", (self.run_id,)).fetchone()[0]
         return all(stage in stored for stage in STAGES)
 
-    def _extract(self) -> StageReport:
-        return extract(self.conn, load_sources(self.conn, self.source_ids), self.settings.limits, self.allow_deletions)
+    def _extract(self, progress: Progress) -> StageReport:
+        return extract(self.conn, load_sources(self.conn, self.source_ids), self.settings.limits, self.allow_deletions,
+                       progress)
 
-    def _parse(self) -> StageReport:
-        return parse_pending(self.conn, self.source_ids, progress_for=lambda total: self.progress("parse", total),
-                             workers=self.settings.parse_workers, limits=self.settings.limits)
+    def _parse(self, progress: Progress) -> StageReport:
+        return parse_pending(self.conn, self.source_ids, progress=progress, workers=self.settings.parse_workers,
+                             limits=self.settings.limits)
 
-    def _chunk(self) -> StageReport:
-        return chunk_pending(self.conn, self.embedder.counter, self.source_ids,
+    def _chunk(self, progress: Progress) -> StageReport:
+        return chunk_pending(self.conn, self.embedder.counter, self.source_ids, progress=progress,
                              max_chunks=self.settings.limits.max_chunks_per_document)
 
-    def _enrich(self) -> StageReport:
-        return enrich_pending(self.conn, self.embedder.counter, self.source_ids)
+    def _enrich(self, progress: Progress) -> StageReport:
+        return enrich_pending(self.conn, self.embedder.counter, self.source_ids, progress=progress)
 
-    def _embed(self) -> StageReport:
-        return embed_all_models(self.conn, self.embedder, self.settings, self.source_ids, self.progress("embed", None))
+    def _embed(self, progress: Progress) -> StageReport:
+        return embed_all_models(self.conn, self.embedder, self.settings, self.source_ids, progress)
 
-    def _publish(self) -> StageReport:
-        return publish_ready(self.conn, self.source_ids, batch_size=self.settings.batch_documents)
+    def _publish(self, progress: Progress) -> StageReport:
+        """Publish in one transaction and check the golden set inside it: search there sees the new version, readers
+        outside the old one, and a gate below its floor rolls the refresh back."""
+        with self.conn.transaction():
+            report = publish_ready(self.conn, self.source_ids, batch_size=self.settings.batch_documents,
+                                   progress=progress)
+            if report.counts["documents"]:
+                gate = golden_gate(self.conn, self.settings, self.source_ids)
+                report.notes["gate"] = gate
+                if gate["applicable"] and not gate["passed"]:
+                    raise GateFailed(gate)
+        return report
 
-    def _cards(self) -> StageReport:
+    def _cards(self, progress: Progress) -> StageReport:
         models = [self.embedder] + [embedder_for(key, self.settings) for key in model_tables(self.conn)
                                     if key != self.embedder.model_key]
-        return generate_cards(self.conn, self.settings, models, self.source_ids)
+        return generate_cards(self.conn, self.settings, models, self.source_ids, progress=progress)
 
 
 def ingest(conn: psycopg.Connection, embedder: Embedder, settings: Settings, source_ids: list[str] | None = None,

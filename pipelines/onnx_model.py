@@ -67,8 +67,10 @@ def _export_fp32(path: Path) -> None:
 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # a local path needs no hub; never let it try
     import torch
+    import transformers
     from transformers import AutoModel
 
+    transformers.logging.disable_progress_bar()  # kb's own progress is the one on the terminal
     bert = AutoModel.from_pretrained(str(local_model_dir()), attn_implementation="eager").eval()
 
     class LastHiddenState(torch.nn.Module):

@@ -19,7 +19,7 @@ import psycopg
 from pipelines.elements import Element, ParsedDocument, without_nul, write_elements
 from pipelines.failures import Failure, clear_failures, record_failure
 from pipelines.file_metadata import file_metadata
-from pipelines.report import StageReport
+from pipelines.report import NO_PROGRESS, Progress, StageReport
 from pipelines.settings import Limits
 from pipelines.sources import OutsideSource, source_file
 from pipelines.workers import Lost, isolated_map
@@ -172,12 +172,12 @@ def _parse_task(task: tuple[str, str, bool, str, Limits]) -> ParsedDocument | st
 
 
 def parse_pending(conn: psycopg.Connection, source_ids: list[str] | None = None, batch_size: int = 16,
-                  progress_for=None, workers: int = 1, limits: Limits = Limits()) -> StageReport:
+                  progress: Progress = NO_PROGRESS, workers: int = 1, limits: Limits = Limits()) -> StageReport:
     """Parse every document whose bytes changed since they were last parsed, in `workers` worker processes, a
-    batch per transaction. progress_for(total) returns the callback advanced once per document."""
+    batch per transaction."""
     report = StageReport(STAGE, ("parsed", "elements"))
     pending = conn.execute(PENDING, {"ids": source_ids}).fetchall()
-    progress = progress_for(len(pending)) if progress_for else None
+    progress.total(len(pending))
     for start in range(0, len(pending), batch_size):
         batch = pending[start:start + batch_size]
         tasks = [(location, locator, allow, doc_format, limits)
@@ -190,8 +190,7 @@ def parse_pending(conn: psycopg.Connection, source_ids: list[str] | None = None,
             else:
                 reason = result.reason if isinstance(result, Lost) else result
                 failed.append((Failure(source_id, locator, STAGE, f"{Path(location) / locator}: {reason}"), content_hash))
-            if progress:
-                progress(1)
+            progress.advance()
         failed += _store(conn, parsed, report)
         for failure, content_hash in failed:
             report.fail(failure)

@@ -17,7 +17,7 @@ from pipelines import bulk
 from pipelines.chunking import CHUNKER_VERSION
 from pipelines.drafts import publish_key
 from pipelines.enrich import ENRICH_VERSION
-from pipelines.report import StageReport
+from pipelines.report import NO_PROGRESS, Progress, StageReport
 from pipelines.vector_store import model_tables
 
 # Documents whose drafts are all enriched and embedded in every model that serves or is being built.
@@ -121,7 +121,8 @@ def publish_batch(conn: psycopg.Connection, batch: list[tuple[int, str]], report
     report.counts["chunks_kept"] += sum(len(drafts_by_doc[d]) for d in ids) - len(inserts)
 
 
-def publish_ready(conn: psycopg.Connection, source_ids: list[str] | None = None, batch_size: int = 64) -> StageReport:
+def publish_ready(conn: psycopg.Connection, source_ids: list[str] | None = None, batch_size: int = 64,
+                  progress: Progress = NO_PROGRESS) -> StageReport:
     report = StageReport("publish", ("documents", "chunks_inserted", "chunks_updated", "chunks_closed", "chunks_kept"))
     tables = model_tables(conn).values()
     if not tables:
@@ -131,7 +132,9 @@ def publish_ready(conn: psycopg.Connection, source_ids: list[str] | None = None,
         for table in tables)
     ready = conn.execute(sql.SQL(READY).format(missing_vector=missing),
                          {"enricher": ENRICH_VERSION, "ids": source_ids}).fetchall()
+    progress.total(len(ready))
     for start in range(0, len(ready), batch_size):
         publish_batch(conn, ready[start:start + batch_size], report)
+        progress.advance(len(ready[start:start + batch_size]))
     report.counts["chunks_written"] = report.counts["chunks_inserted"] + report.counts["chunks_updated"] + report.counts["chunks_closed"]
     return report.finish()

@@ -94,7 +94,21 @@ def run_search(conn: psycopg.Connection, settings: Settings, query: str, k: int 
     if debug:
         response["explain"] = {**query_class.as_dict(), "exact_first": exact_first, "tie_share": TIE_SHARE,
                                "rrf_k": RRF_K}
+    if not hits and filters.as_of is not None and (note := _as_of_note(conn, filters)):
+        response["note"] = note
     return response
+
+
+def _as_of_note(conn: psycopg.Connection, filters: Filters) -> str | None:
+    """Why an as-of read found nothing, when the reason is the date: the caller's history starts later."""
+    readable = list(visible_sources(conn, filters.groups, filters.source_id))
+    first = conn.execute("SELECT min(c.valid_from) FROM chunks c JOIN documents d USING (document_id)"
+                         " WHERE d.source_id = ANY(%s)", (readable,)).fetchone()[0]
+    if first is None or filters.as_of < first:
+        since = f"its history starts at {first.isoformat(timespec='seconds')}" if first else "it holds nothing yet"
+        return (f"nothing was in the knowledge base at {filters.as_of.isoformat(timespec='seconds')}: {since}"
+                " (kb keeps versions from its first ingest on, not the documents' own dates)")
+    return None
 
 
 def run_citation_check(conn: psycopg.Connection, settings: Settings, claims: list[dict], retrieved: list[int],

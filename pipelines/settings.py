@@ -26,6 +26,7 @@ class Limits:
 @dataclass(frozen=True)
 class Settings:
     home: Path
+    home_origin: str  # how the home was found: "KB_HOME", "found <dir>/.kb", or "per-user default"
     database_url: str | None
     embedder: str  # "local" (int8 ONNX), "local-fp32" (torch) or "openai"
     openai_model: str = "text-embedding-3-small"
@@ -45,8 +46,8 @@ class Settings:
     rerank_model: str = ""  # a local CrossEncoder path, or the chat model name for "llm"
     chat_model: str | None = None  # an OpenAI-compatible chat model: Q&A cards, answers, HyDE (None: offline rules)
     chat_concurrency: int = 4
-    golden_set: Path = SAMPLES_DIR / "golden.jsonl"
-    golden_floor: float = 0.8  # the asset check fails (and blocks downstream) below this hit@5
+    golden_set: Path | None = SAMPLES_DIR / "golden.jsonl"  # None (KB_GOLDEN_SET empty): no gate
+    golden_floor: float = 0.8  # a refresh whose golden hit@5 falls below this is not published
     config_path: Path | None = None  # the kb.toml that `kb source apply` reads by default
     parse_workers: int = 1  # processes that parse files in parallel
     limits: Limits = Limits()
@@ -70,14 +71,43 @@ def _config_path(env) -> Path | None:
     return local.resolve() if local.is_file() else None
 
 
+class ConfigError(ValueError):
+    """A setting that cannot be used as given (a usage error, exit 2)."""
+
+
 def load_settings() -> Settings:
-    env = os.environ
+    try:
+        return _load(os.environ)
+    except ConfigError:
+        raise
+    except ValueError as exc:  # a number that does not parse
+        raise ConfigError(f"a KB_* setting is not a valid number: {exc}") from None
+
+
+def find_home(env, start: Path | None = None) -> tuple[Path, str]:
+    """Where the knowledge base lives: KB_HOME; else the nearest `.kb` folder in the current directory or above it
+    (the way git finds `.git`), so every command run inside a project uses the project's; else a per-user folder.
+    Never a fresh, empty `.kb` just because the command ran from another directory."""
+    if env.get("KB_HOME"):
+        return Path(env["KB_HOME"]).expanduser().resolve(), "KB_HOME"
+    here = (start or Path.cwd()).resolve()
+    for folder in (here, *here.parents):
+        if (folder / ".kb").is_dir():
+            return folder / ".kb", f"found {folder}/.kb"
+    import platformdirs
+
+    return Path(platformdirs.user_data_dir("kb")).resolve(), "per-user default"
+
+
+def _load(env) -> Settings:
+    home, origin = find_home(env)
     embedder = env.get("KB_EMBEDDER", "local").lower()
     if embedder not in EMBEDDERS:
-        raise ValueError(f"KB_EMBEDDER must be one of {', '.join(EMBEDDERS)}, not {embedder!r}")
+        raise ConfigError(f"KB_EMBEDDER must be one of {', '.join(EMBEDDERS)}, not {embedder!r}")
     dims = env.get("KB_OPENAI_DIMENSIONS")
     return Settings(
-        home=Path(env.get("KB_HOME", ".kb")).expanduser().resolve(),
+        home=home,
+        home_origin=origin,
         database_url=env.get("DATABASE_URL") or None,
         embedder=embedder,
         openai_model=env.get("KB_OPENAI_MODEL", "text-embedding-3-small"),
@@ -96,7 +126,8 @@ def load_settings() -> Settings:
         rerank_model=env.get("KB_RERANK_MODEL", ""),
         chat_model=env.get("KB_CHAT_MODEL") or None,
         chat_concurrency=int(env.get("KB_CHAT_CONCURRENCY", "4")),
-        golden_set=Path(env.get("KB_GOLDEN_SET", str(SAMPLES_DIR / "golden.jsonl"))),
+        golden_set=Path(env["KB_GOLDEN_SET"]) if env.get("KB_GOLDEN_SET") else (
+            None if "KB_GOLDEN_SET" in env else SAMPLES_DIR / "golden.jsonl"),
         golden_floor=float(env.get("KB_GOLDEN_FLOOR", "0.8")),
         config_path=_config_path(env),
         parse_workers=int(env.get("KB_PARSE_WORKERS", str(min(len(os.sched_getaffinity(0)), 4)))),

@@ -29,3 +29,44 @@ def knowledge_base_status(conn: psycopg.Connection) -> dict:
                                     " counters FROM ingest_runs"
                                     " ORDER BY run_id DESC LIMIT 1").fetchone(),
         }
+
+
+# What each ingestion asset holds for one source, in rows of its table (Dagster's dagster/row_count).
+HOLDINGS = """
+SELECT
+    (SELECT count(*) FROM documents d WHERE d.source_id = %(id)s AND d.deleted_at IS NULL) AS source_documents,
+    (SELECT count(*) FROM elements e JOIN documents d USING (document_id)
+      WHERE d.source_id = %(id)s AND d.deleted_at IS NULL) AS parsed_elements,
+    (SELECT count(*) FROM chunk_drafts c JOIN documents d USING (document_id) WHERE d.source_id = %(id)s) AS chunk_drafts,
+    (SELECT count(*) FROM chunk_drafts c JOIN documents d USING (document_id)
+      WHERE d.source_id = %(id)s AND c.embed_text IS NOT NULL) AS enriched_chunks,
+    (SELECT count(DISTINCT c.text_hash) FROM chunks c JOIN documents d USING (document_id)
+      WHERE d.source_id = %(id)s AND c.valid_to IS NULL) AS chunk_embeddings,
+    (SELECT count(*) FROM chunks c JOIN documents d USING (document_id)
+      WHERE d.source_id = %(id)s AND c.valid_to IS NULL AND c.kind <> 'card') AS published_chunks,
+    (SELECT count(*) FROM chunks c JOIN documents d USING (document_id)
+      WHERE d.source_id = %(id)s AND c.valid_to IS NULL AND c.kind = 'card') AS qa_cards
+"""
+
+
+def holdings(conn: psycopg.Connection, source_id: str) -> dict[str, int]:
+    """Rows each ingestion asset holds for a source (drafts hold nothing once published)."""
+    with conn.cursor(row_factory=dict_row) as cur:
+        return cur.execute(HOLDINGS, {"id": source_id}).fetchone()
+
+
+def ingest_statistics(conn: psycopg.Connection, source_ids: list[str] | None = None) -> dict:
+    """What the knowledge base holds, for plots: chunk lengths (model tokens), documents per format, failures."""
+    params = {"ids": source_ids}
+    scope = "(%(ids)s::text[] IS NULL OR d.source_id = ANY(%(ids)s))"
+    return {
+        "chunk_tokens": [r[0] for r in conn.execute(
+            f"SELECT c.token_count FROM chunks c JOIN documents d USING (document_id)"
+            f" WHERE c.valid_to IS NULL AND c.kind <> 'card' AND {scope}", params)],
+        "documents_per_format": dict(conn.execute(
+            f"SELECT d.doc_format, count(*) FROM documents d WHERE d.deleted_at IS NULL AND {scope}"
+            " GROUP BY 1 ORDER BY 2 DESC", params).fetchall()),
+        "failures_per_stage": dict(conn.execute(
+            "SELECT f.stage, count(*) FROM failures f WHERE (%(ids)s::text[] IS NULL OR f.source_id = ANY(%(ids)s))"
+            " GROUP BY 1 ORDER BY 2 DESC", params).fetchall()),
+    }

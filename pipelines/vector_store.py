@@ -25,13 +25,17 @@ def table_name(model_key: str) -> str:
 
 def ensure_vector_store(conn: psycopg.Connection, model_key: str, dimensions: int) -> str:
     """Create the model's vector table and HNSW index if needed; returns the table name."""
-    table = table_name(model_key)
-    row = conn.execute("SELECT vector_table, dimensions FROM embedding_models WHERE model_key = %s", (model_key,)).fetchone()
+    row = _registered(conn, model_key, dimensions)
     if row is not None:
-        if row[1] != dimensions:
-            raise ValueError(f"model {model_key} is registered with {row[1]} dimensions, not {dimensions}")
-        return row[0]
+        return row
+    table = table_name(model_key)
     with conn.transaction():
+        # Backfill shards start together, on one machine or many: one creates the table, the others wait and find it
+        # (concurrent CREATE TABLE IF NOT EXISTS can fail on the catalog's unique indexes).
+        conn.execute("SELECT pg_advisory_xact_lock(hashtext('kb.ensure_vector_store'))")
+        row = _registered(conn, model_key, dimensions)
+        if row is not None:
+            return row
         conn.execute(TEMPLATE.read_text().format(table=table, dimensions=int(dimensions)))
         active = conn.execute("SELECT count(*) FROM embedding_models WHERE state = 'active'").fetchone()[0]
         if not active:
@@ -42,6 +46,13 @@ def ensure_vector_store(conn: psycopg.Connection, model_key: str, dimensions: in
             (model_key, dimensions, table, "building" if active else "active", not active),
         )
     return table
+
+
+def _registered(conn: psycopg.Connection, model_key: str, dimensions: int) -> str | None:
+    row = conn.execute("SELECT vector_table, dimensions FROM embedding_models WHERE model_key = %s", (model_key,)).fetchone()
+    if row is not None and row[1] != dimensions:
+        raise ValueError(f"model {model_key} is registered with {row[1]} dimensions, not {dimensions}")
+    return row[0] if row else None
 
 
 def ensure_index(conn: psycopg.Connection, table: str) -> None:

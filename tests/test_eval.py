@@ -49,9 +49,11 @@ def test_document_rank_is_its_best_chunk_rank():
     assert sorted(ranked, key=ranked.get, reverse=True) == ["a", "b", "c"]
 
 
-def test_kb_eval_on_a_scifact_slice(settings, scifact_slice):
+def test_kb_eval_on_a_scifact_slice(settings, scifact_slice, tmp_path):
+    per_query = tmp_path / "per-query.json"
     result = CliRunner().invoke(main, ["eval", str(scifact_slice), "--split", "train", "--json", "--misses",
-                                       "--database-url", settings.database_url])
+                                       "--database-url", settings.database_url, "--per-query", str(per_query),
+                                       "--report", str(tmp_path / "report")])
     assert result.exit_code == 0, result.output
     data = json.loads(result.stdout)[scifact_slice.name]
     assert data["queries"] == 30 and data["ingest"]["documents_published"] == data["ingest"]["documents_seen"]
@@ -61,6 +63,25 @@ def test_kb_eval_on_a_scifact_slice(settings, scifact_slice):
         for metric, value in values.items():
             assert metrics[config][metric] == pytest.approx(value, abs=0.02), (config, metric)
     assert all(len(r["misses"]) == round(30 * (1 - r["metrics"]["hit@10"])) for r in data["results"].values())
+    assert all(r["latency_ms"]["median"] > 0 for r in data["results"].values())
+
+    page = (tmp_path / "report" / "index.html").read_text()
+    assert page.count('src="data:image/png;base64,') == 4  # metrics per arm, latency, chunk lengths, formats
+    assert "no failing documents" in page  # the ingest's failures (none here) are said, not plotted empty
+    assert "ndcg@10" in page and f"{metrics['hybrid']['ndcg@10']:.4f}" in page
+
+    # A second run compared with the first: per-query wins and losses, in the JSON and plotted in the report.
+    again = CliRunner().invoke(main, ["eval", str(scifact_slice), "--split", "train", "--json", "--database-url",
+                                      settings.database_url, "--compare", str(per_query),
+                                      "--report", str(tmp_path / "compared")])
+    assert again.exit_code == 0, again.output
+    compared = json.loads(again.stdout)[scifact_slice.name]["results"]
+    page = (tmp_path / "compared" / "index.html").read_text()
+    for config, result in compared.items():
+        delta = result["compared"]["ndcg@10"]
+        assert delta["wins"] + delta["losses"] + delta["ties"] == 30 and delta["ties"] == 30  # the same search twice
+        assert f"{config} against the earlier run" in page
+        assert f"{delta['wins']} wins, {delta['losses']} losses" in page
 
 
 KNOWN = {

@@ -8,7 +8,6 @@ from datetime import datetime, timedelta, timezone
 
 import dagster as dg
 import psycopg
-import pytest
 from click.testing import CliRunner
 
 from assets.automation import scheduled_refresh, source_partitions

@@ -61,3 +61,23 @@ def test_big_load_builds_the_index_after_the_rows_small_ones_use_it(conn, embedd
     conn.execute(sql.SQL("DROP INDEX {}").format(sql.Identifier(f"{table}_hnsw")))
     assert embed_pending(conn, embedder).counts["computed"] == 0
     assert hnsw_index(conn, table) is not None
+
+
+def test_shards_starting_together_register_a_new_model_once(conn, settings):
+    """Backfill shards on several workers all call ensure_vector_store for a model nobody registered yet."""
+    from concurrent.futures import ThreadPoolExecutor
+    from threading import Barrier
+
+    from pipelines.database import connect
+
+    start = Barrier(8)
+
+    def shard(_: int) -> str:
+        with connect(settings) as own:
+            start.wait()
+            return ensure_vector_store(own, "test:race:4", 4)
+
+    with ThreadPoolExecutor(8) as pool:
+        tables = list(pool.map(shard, range(8)))
+    assert len(set(tables)) == 1
+    assert conn.execute("SELECT count(*) FROM embedding_models WHERE model_key = 'test:race:4'").fetchone()[0] == 1

@@ -1,0 +1,206 @@
+"""The CLI as a person meets it, run as the installed `kb` command: where the knowledge base lives, progress,
+times, and mistakes that end in one clear line and exit 2 rather than a traceback."""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import pty
+import re
+import shutil
+import socket
+import struct
+import subprocess
+import sys
+import termios
+from pathlib import Path
+
+import pytest
+
+from pipelines.settings import SAMPLES_DIR
+
+KB = str(Path(sys.executable).parent / "kb")
+ISO = r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\+00:00"
+
+
+def kb(*args: str, cwd: Path | None = None, env: dict | None = None, stdin: str | None = None):
+    return subprocess.run([KB, *args], capture_output=True, text=True, cwd=cwd, input=stdin,
+                          env=os.environ.copy() if env is None else env, timeout=600)
+
+
+def one_error_line(result, *phrases: str) -> None:
+    """Exit 2, no traceback, and exactly one `Error:` line that says what is wrong."""
+    assert result.returncode == 2, (result.returncode, result.stdout, result.stderr)
+    assert "Traceback" not in result.stderr
+    errors = [line for line in result.stderr.splitlines() if line.startswith("Error:")]
+    assert len(errors) == 1, result.stderr
+    for phrase in phrases:
+        assert phrase in errors[0], errors[0]
+
+
+def small_folder(tmp_path: Path) -> Path:
+    folder = tmp_path / "small"
+    folder.mkdir()
+    shutil.copy(SAMPLES_DIR / "docs" / "handbook" / "leave-policy.md", folder)
+    shutil.copy(SAMPLES_DIR / "docs" / "ops" / "postgres-runbook.txt", folder)
+    return folder
+
+
+def records(tmp_path: Path) -> Path:
+    path = tmp_path / "tickets.jsonl"
+    path.write_text("".join(json.dumps({"_id": f"t{i}", "title": f"Ticket {i}", "text": f"The printer on floor {i}"
+                                        " jams when printing duplex."}) + "\n" for i in range(3)))
+    return path
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_version():
+    out = kb("--version")
+    assert out.returncode == 0 and re.fullmatch(r"kb \d+\.\d+\.\d+\S*\n", out.stdout)
+
+
+def test_the_knowledge_base_is_found_upward_like_git_else_per_user(settings, tmp_path):
+    project = tmp_path / "project"
+    (project / ".kb").mkdir(parents=True)
+    (project / "docs" / "deep").mkdir(parents=True)
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    env = {k: v for k, v in os.environ.items() if k != "KB_HOME"}
+    env["XDG_DATA_HOME"] = str(tmp_path / "xdg")
+
+    inside = kb("status", cwd=project / "docs" / "deep", env=env)
+    assert inside.returncode == 0, inside.stderr
+    assert f"knowledge base: {project}/.kb (found {project}/.kb;" in inside.stdout
+    outside = kb("status", "--json", cwd=elsewhere, env=env)
+    assert json.loads(outside.stdout)["home"] == {"path": str(tmp_path / "xdg" / "kb"), "found": "per-user default",
+                                                  "database": "DATABASE_URL"}
+    assert not (elsewhere / ".kb").exists()  # never a fresh, empty knowledge base where the command happened to run
+    explicit = kb("status", cwd=elsewhere, env={**env, "KB_HOME": str(project / ".kb")})
+    assert f"knowledge base: {project}/.kb (KB_HOME;" in explicit.stdout
+
+
+def test_each_stage_reports_its_total_and_its_end_when_not_on_a_terminal(settings, tmp_path):
+    out = kb("ingest", str(small_folder(tmp_path)), str(records(tmp_path)))
+    assert out.returncode == 0, out.stderr
+    lines = out.stderr.splitlines()
+    for stage in ("extract", "parse", "chunk", "enrich", "embed", "publish", "cards"):
+        assert any(re.fullmatch(rf"{stage}: \d+ to do", line) for line in lines), (stage, lines)
+        assert any(re.fullmatch(rf"{stage}: done, \d+ in \d+\.\d\d s", line) for line in lines), (stage, lines)
+    assert lines[:2] == ["extract: 2 to do", "extract: 3 more to do"]  # the folder's files, then the records
+    assert "extract: done, 5 in" in out.stderr
+    assert "parse: 2 to do" in lines  # records need no parsing: they are read as text at extract
+    embedded = next(int(m.group(1)) for line in lines if (m := re.fullmatch(r"embed: (\d+) to do", line)))
+    assert embedded > 0 and f"embed: done, {embedded} in" in out.stderr
+    assert "%|" not in out.stderr and "/s]" not in out.stderr  # no bars in logs
+
+
+def test_on_a_terminal_each_stage_shows_a_bar_with_total_rate_and_eta(settings, tmp_path):
+    leader, follower = pty.openpty()
+    fcntl.ioctl(follower, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 120, 0, 0))  # a terminal 120 columns wide
+    process = subprocess.Popen([KB, "ingest", str(small_folder(tmp_path))], stdout=subprocess.PIPE,
+                               stderr=follower, env=os.environ.copy())
+    os.close(follower)
+    screen = b""
+    while True:
+        try:
+            chunk = os.read(leader, 4096)
+        except OSError:  # the terminal closed
+            break
+        if not chunk:
+            break
+        screen += chunk
+    assert process.wait(timeout=600) == 0
+    text = screen.decode(errors="replace")
+    for stage in ("extract", "parse", "chunk", "enrich", "embed", "publish"):
+        bar = re.search(rf"{stage}\s*: +\d+%\|[^|]*\| \d+/(\d+) \[\d\d:\d\d<[\d:?]+, +(?:[\d.?]+ ?\w+/s|[\d.]+s/\w+)\]",
+                        text)
+        assert bar and int(bar.group(1)) > 0, (stage, text[-2000:])
+
+
+def test_text_output_has_iso_times_and_never_says_none(settings, tmp_path):
+    assert kb("ingest", str(small_folder(tmp_path))).returncode == 0
+    status = kb("status")
+    assert re.search(rf"last crawled {ISO}", status.stdout) and re.search(rf"last run: #1 .* at {ISO}", status.stdout)
+    debug = kb("search", "printer duplex jam HR-2024-047", "--debug", "--k", "5")
+    assert debug.returncode == 0 and "None" not in status.stdout + debug.stdout
+    history = kb("history", "small:leave-policy.md")
+    assert re.search(ISO, history.stdout) and "None" not in history.stdout
+    as_json = json.loads(kb("status", "--json").stdout)
+    assert re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d+\+00:00", as_json["last_run"]["started_at"])
+
+
+def test_an_as_of_before_the_first_ingest_says_why_nothing_is_found(settings, tmp_path):
+    assert kb("ingest", str(small_folder(tmp_path))).returncode == 0
+    out = kb("search", "HR-2024-047", "--as-of", "2024-06-01")
+    assert out.returncode == 0
+    assert re.match(rf"no results: nothing was in the knowledge base at 2024-06-01T00:00:00\+00:00: its history starts"
+                    rf" at {ISO}", out.stdout), out.stdout
+
+
+def test_user_mistakes_exit_2_with_one_clear_line(settings, tmp_path):
+    page = tmp_path / "notes.md"
+    page.write_text("# Notes\n\nSome text.")
+    one_error_line(kb("ingest", str(page)), str(page), "not a single file")
+    one_error_line(kb("cite", "-", stdin="{not json"), "not an answer to check")
+    one_error_line(kb("status", env={**os.environ, "KB_EMBEDDER": "bogus"}), "KB_EMBEDDER", "bogus")
+    unreachable = f"postgresql://kb@127.0.0.1:{free_port()}/kb"
+    one_error_line(kb("status", env={**os.environ, "DATABASE_URL": unreachable}), "cannot connect to PostgreSQL",
+                   "DATABASE_URL")
+    nan = kb("search", "leave", "--lexical-weight", "nan")
+    assert nan.returncode == 2 and "'nan' is not a number from 0 to 1" in nan.stderr and "Traceback" not in nan.stderr
+
+
+def test_verbose_adds_the_traceback(settings):
+    out = kb("--verbose", "status", env={**os.environ, "KB_EMBEDDER": "bogus"})
+    assert out.returncode == 2 and "Traceback" in out.stderr and "ConfigError" in out.stderr
+
+
+@pytest.fixture
+def postgres_without_pgvector(tmp_path):
+    """Debian's PostgreSQL 15 (no pgvector installed for it) on a free port, for as long as the test runs."""
+    bin_dir = Path("/usr/lib/postgresql/15/bin")
+    assert (bin_dir / "postgres").exists(), "make test installs Debian's postgresql-15"
+    assert not Path("/usr/share/postgresql/15/extension/vector.control").exists()
+    data = tmp_path / "plain-pg"
+    data.mkdir()
+    as_postgres = []
+    if os.geteuid() == 0:  # PostgreSQL refuses to run as root
+        shutil.chown(tmp_path, "postgres")
+        shutil.chown(data, "postgres")
+        as_postgres = ["runuser", "-u", "postgres", "--"]
+    subprocess.run([*as_postgres, bin_dir / "initdb", "-D", data, "-A", "trust", "-U", "postgres"], check=True,
+                   capture_output=True)
+    port = free_port()
+    subprocess.run([*as_postgres, bin_dir / "pg_ctl", "-D", data, "-w", "-l", data / "log", "-o",
+                    f"-p {port} -k {data} -c listen_addresses=127.0.0.1", "start"], check=True, capture_output=True)
+    try:
+        yield f"postgresql://postgres@127.0.0.1:{port}/postgres"
+    finally:
+        subprocess.run([*as_postgres, bin_dir / "pg_ctl", "-D", data, "-m", "immediate", "stop"], capture_output=True)
+
+
+def test_a_server_without_pgvector_is_a_configuration_error(postgres_without_pgvector):
+    out = kb("status", env={**os.environ, "DATABASE_URL": postgres_without_pgvector})
+    one_error_line(out, "pgvector")
+
+
+def test_cite_strict_fails_on_an_invalid_citation(settings, tmp_path):
+    assert kb("ingest", str(small_folder(tmp_path))).returncode == 0
+    hits = json.loads(kb("search", "primary caregiver paid leave weeks", "--k", "3", "--json").stdout)["chunks"]
+    answer = {"claims": [{"text": "Primary caregivers get paid leave.", "citations": [hits[0]["chunk_id"]]},
+                         {"text": "Primary caregivers get paid leave.", "citations": [10**9]}],
+              "retrieved": [h["chunk_id"] for h in hits]}
+    path = tmp_path / "answer.json"
+    path.write_text(json.dumps(answer))
+    lenient = kb("cite", str(path))
+    assert lenient.returncode == 0 and "INVALID" in lenient.stdout
+    strict = kb("cite", "--strict", str(path))
+    assert strict.returncode == 3 and "INVALID" in strict.stdout
+    path.write_text(json.dumps({**answer, "claims": answer["claims"][:1]}))
+    assert kb("cite", "--strict", str(path)).returncode == 0

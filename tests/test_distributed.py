@@ -1,0 +1,112 @@
+"""The model backfill on a real distributed engine: a dask.distributed scheduler and two workers, each a process
+of its own, run the reembed job's 16 hash shards through dagster-dask, on a Dagster instance kept in PostgreSQL
+(what several machines would share)."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from pipelines.embedders import TorchEmbedder
+from pipelines.embedding import missing_by_shard
+from pipelines.ingest import ingest
+from pipelines.settings import SAMPLES_DIR, load_settings
+from pipelines.sources import add_source, declare
+from pipelines.vector_store import active_model, table_name
+
+BIN = Path(sys.executable).parent
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture
+def dask_cluster(tmp_path):
+    """start(workers) -> (scheduler address, worker pids): a scheduler and workers started with the test's
+    environment as it is when called, all stopped at the end."""
+    processes: list[subprocess.Popen] = []
+    logs = tmp_path / "dask-logs"
+    logs.mkdir()
+
+    def spawn(name: str, *args: str) -> subprocess.Popen:
+        log = open(logs / f"{name}.log", "w")
+        process = subprocess.Popen([str(BIN / "dask"), *args], stdout=log, stderr=subprocess.STDOUT,
+                                   env=os.environ.copy(), cwd=tmp_path)
+        processes.append(process)
+        return process
+
+    def start(workers: int) -> tuple[str, list[int]]:
+        from distributed import Client
+
+        port = free_port()
+        address = f"tcp://127.0.0.1:{port}"
+        spawn("scheduler", "scheduler", "--host", "127.0.0.1", "--port", str(port), "--no-dashboard")
+        pids = [spawn(f"worker-{i}", "worker", address, "--name", f"worker-{i}", "--nthreads", "1", "--no-nanny",
+                      "--no-dashboard", "--memory-limit", "0").pid for i in range(workers)]
+        deadline = time.monotonic() + 120
+        while True:
+            try:
+                with Client(address, timeout=10) as client:
+                    client.wait_for_workers(workers, timeout=120)
+                    return address, pids
+            except OSError:
+                if time.monotonic() > deadline:
+                    raise
+
+    yield start
+    for process in reversed(processes):
+        process.terminate()
+    for process in processes:
+        try:
+            process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            process.kill()
+
+
+def reembed() -> dict:
+    out = subprocess.run([str(BIN / "kb"), "dagster", "reembed", "--json"], capture_output=True, text=True,
+                         env=os.environ.copy(), timeout=900)
+    assert out.returncode == 0, out.stdout + out.stderr[-3000:]
+    return json.loads(out.stdout)
+
+
+def test_a_model_backfill_runs_its_shards_on_separate_dask_workers(conn, embedder, settings, dask_cluster, tmp_path,
+                                                                   monkeypatch):
+    add_source(conn, declare("samples", SAMPLES_DIR / "docs"), "tests")
+    ingest(conn, embedder, load_settings(), ["samples"])  # served by the default model (int8 ONNX)
+    texts = conn.execute("SELECT count(DISTINCT text_hash) FROM chunks WHERE valid_to IS NULL").fetchone()[0]
+
+    # Every process (this one, `kb`, the scheduler and the workers) sees one environment, as machines of one
+    # deployment would: the database, the shared instance, the new model and the cluster.
+    from assets.instance import STORAGE_ENV, prepare_instance
+
+    monkeypatch.setenv("DAGSTER_HOME", str(tmp_path / "dagster"))
+    monkeypatch.setenv(STORAGE_ENV, "")
+    prepare_instance(settings)
+    monkeypatch.setenv("KB_EMBEDDER", "local-fp32")
+    address, worker_pids = dask_cluster(workers=2)
+    monkeypatch.setenv("KB_DASK_SCHEDULER", address)
+
+    first = reembed()
+    assert first["success"] and first["shards_done"] == 16
+    vectors = conn.execute(f'SELECT count(*) FROM "{table_name(TorchEmbedder.model_key)}"').fetchone()[0]
+    assert first["computed"] == vectors >= texts > 0
+    assert missing_by_shard(conn, TorchEmbedder()) == {}  # every shard was done
+    workers = {int(w.rsplit(":", 1)[1]) for w in first["workers"]}
+    assert workers <= set(worker_pids) and len(workers) == 2  # the work landed on both worker processes
+    assert active_model(conn) == TorchEmbedder.model_key  # then search switched to the new model
+
+    again = reembed()
+    assert again["success"] and again["shards_done"] == 16 and again["computed"] == 0  # a rerun changes nothing
+    assert conn.execute(f'SELECT count(*) FROM "{table_name(TorchEmbedder.model_key)}"').fetchone()[0] == vectors
+    assert active_model(conn) == TorchEmbedder.model_key
