@@ -72,7 +72,10 @@ def dask_cluster(workers: int, env: dict, logs: Path):
         for process in processes:
             process.terminate()
         for process in processes:
-            process.wait(timeout=60)
+            try:
+                process.wait(timeout=30)
+            except subprocess.TimeoutExpired:  # a worker still unwinding its model's threads
+                process.kill()
 
 
 def prepare_base(server: str, records: int, home: Path) -> dict:

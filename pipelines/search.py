@@ -171,6 +171,15 @@ def _prepare(conn: psycopg.Connection, candidates: int) -> None:
 WITHIN = "SELECT c.chunk_id FROM chunks c JOIN documents d ON d.document_id = c.document_id WHERE {} LIMIT %(limit)s"
 
 
+LIVE_AT = "SELECT EXISTS (SELECT 1 FROM chunks WHERE valid_to IS NULL AND valid_from <= %s)"
+
+
+def _live_at(conn: psycopg.Connection, as_of: datetime | None) -> bool:
+    """Whether any chunk live today was already written at `as_of` (chunks_live_since): if none was, an as-of read
+    skips the live postings and reads only the history's."""
+    return as_of is None or conn.execute(LIVE_AT, (as_of,)).fetchone()[0]
+
+
 def _within(conn: psycopg.Connection, filters: Filters, predicate: sql.Composable, params: dict) -> list[int] | None:
     """The chunks a narrowing filter matches, when they are few enough to score one by one (None otherwise)."""
     if not filters.narrows:
@@ -209,6 +218,7 @@ def search_explained(conn: psycopg.Connection, embedder: Embedder, query: str, k
     pruned = within is None and not filters.narrows
     rows = conn.execute(statement, {
         **params, "source_keys": list(visible.values()), "within": within,
+        "live_at_as_of": _live_at(conn, filters.as_of),
         "query": query, "vector": vector, "rrf_k": RRF_K, "lexical_weight": query_class.lexical_weight,
         "dense_n": n if arm != "lexical" else 0, "lexical_n": n if arm != "dense" else 0,
         "bm25_k1": BM25_K1, "bm25_b": BM25_B, "common_share": COMMON_SHARE,

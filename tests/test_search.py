@@ -277,3 +277,47 @@ def test_as_of_reads_are_pruned_over_the_chunks_valid_then(kb, embedder, samples
     assert pruned and {h.chunk_id for h in pruned} | set(exact) <= valid_then
     assert any("20 weeks" in c for c, in kb.execute("SELECT text FROM chunks WHERE chunk_id = ANY(%s)", (list(exact),)))
     assert all(h.lexical_score == pytest.approx(exact[h.chunk_id]) for h in pruned)  # pruned, but exact scores
+
+
+
+def test_an_as_of_read_before_every_document_changed_reads_that_time_from_history(conn, embedder, tmp_path,
+                                                                                   monkeypatch):
+    """When every chunk live today was written after the as-of time, the version served then lives only in history:
+    the pruned read finds it there (skipping the live postings) with the scores of an exact read."""
+    import time
+    from datetime import datetime, timezone
+
+    import pipelines.search as search_module
+
+    folder = tmp_path / "notes"
+    folder.mkdir()
+    old = {"leave.md": "# Leave\n\nA primary caregiver gets 20 weeks of paid leave.\n\n## Returning\n\n"
+                       "Caregivers return part time for four weeks.\n",
+           "travel.md": "# Travel\n\nBook trains for trips under four hours; weeks ahead is cheaper.\n"}
+    for name, text in old.items():
+        (folder / name).write_text(text)
+    add_source(conn, declare("notes", folder), "tests")
+    ingest(conn, embedder, load_settings(), ["notes"])
+    time.sleep(0.05)
+    before = datetime.now(timezone.utc)
+    time.sleep(0.05)
+    (folder / "leave.md").write_text("# Leave\n\nEvery parent now gets 26 weeks of paid leave.\n")
+    (folder / "travel.md").write_text("# Travel\n\nFly only when the train takes more than six hours.\n")
+    ingest(conn, embedder, load_settings(), ["notes"])
+    assert conn.execute("SELECT count(*) FROM chunks WHERE valid_to IS NULL AND valid_from <= %s",
+                        (before,)).fetchone()[0] == 0
+    valid_then = {r[0] for r in conn.execute("SELECT chunk_id FROM chunks WHERE valid_from <= %(t)s AND"
+                                             " valid_to > %(t)s", {"t": before})}
+
+    query = "primary caregiver weeks of leave"
+    filters = Filters(as_of=before)
+    exact = {e.chunk_id: e.lexical_score
+             for e in search(conn, embedder, query, 50, arm="lexical", k_overfetch=50, filters=filters)}
+    monkeypatch.setattr(search_module, "POSTING_BUDGET", 1)  # prune hard
+    pruned = search(conn, embedder, query, 5, filters=filters)
+    assert exact and set(exact) <= valid_then
+    assert pruned and {h.chunk_id for h in pruned} <= valid_then
+    assert all(h.lexical_score == pytest.approx(exact[h.chunk_id]) for h in pruned if h.lexical_rank)
+    assert "20 weeks" in pruned[0].content
+    today = search(conn, embedder, query, 5)
+    assert today and "26 weeks" in today[0].content and not {h.chunk_id for h in today} & valid_then

@@ -56,7 +56,7 @@ WITH visible AS (
     -- BM25 with MaxScore-style pruning: the essential terms' postings nominate candidates, each source's list
     -- read best-impact first (high tf, then short chunk: lexical_postings_impact) and cut at the source's share of
     -- the budget, so a query made only of common words reads a bounded prefix instead of a corpus-long list (as of
-    -- a time, postings of chunks valid then). The best candidates by this partial score are then completed with
+    -- a time, postings of chunks valid then, live and closed). The best candidates by this partial score are then completed with
     -- the other terms by primary-key lookups. With every term essential and no cut, this is exact BM25.
     SELECT p.chunk_id,
            sum(w.idf * (p.tf * (%(bm25_k1)s + 1))
@@ -64,13 +64,21 @@ WITH visible AS (
     FROM weights w
     JOIN term_sources ts USING (term)
     CROSS JOIN LATERAL (
-        SELECT lp.chunk_id, lp.tf, lp.length FROM lexical_postings lp
-        WHERE lp.term = w.term AND lp.source_key = ts.source_key
-          AND ((%(as_of)s::timestamptz IS NULL AND lp.live)
-               OR (%(as_of)s::timestamptz IS NOT NULL AND EXISTS (
-                   SELECT 1 FROM chunks c WHERE c.chunk_id = lp.chunk_id AND c.valid_from <= %(as_of)s
-                     AND (c.valid_to IS NULL OR c.valid_to > %(as_of)s))))
-        ORDER BY lp.tf DESC, lp.length
+        -- live postings (today, or as of a time when some live chunk already existed: those written by then) merged
+        -- in impact order with, as of a time, the postings of closed chunks valid then (lexical_postings_history)
+        (SELECT lp.chunk_id, lp.tf, lp.length FROM lexical_postings lp
+         WHERE lp.term = w.term AND lp.source_key = ts.source_key AND lp.live
+           AND (%(as_of)s::timestamptz IS NULL OR (%(live_at_as_of)s AND EXISTS (
+                SELECT 1 FROM chunks c WHERE c.chunk_id = lp.chunk_id AND c.valid_from <= %(as_of)s)))
+         ORDER BY lp.tf DESC, lp.length)
+        UNION ALL
+        (SELECT lp.chunk_id, lp.tf, lp.length FROM lexical_postings lp
+         WHERE lp.term = w.term AND lp.source_key = ts.source_key AND NOT lp.live
+           AND %(as_of)s::timestamptz IS NOT NULL AND EXISTS (
+               SELECT 1 FROM chunks c WHERE c.chunk_id = lp.chunk_id AND c.valid_from <= %(as_of)s
+                 AND c.valid_to > %(as_of)s)
+         ORDER BY lp.tf DESC, lp.length)
+        ORDER BY tf DESC, length
         LIMIT ceil(%(posting_budget)s * ts.postings::float8 / greatest(w.postings, 1))::bigint
     ) p
     CROSS JOIN corpus
