@@ -29,8 +29,24 @@ def refresh_executor() -> dg.ExecutorDefinition:
     return _dask() or dg.in_process_executor
 
 
+# A local model uses every core in one process, and a step's process start is mostly imports: on one machine the
+# backfill's shards run one at a time in processes forked from a server that imported the model's libraries once
+# (1,223 chunks int8 -> fp32 on 2 cores: 179.8 s with a fresh process per shard and two at a time, 71.4 s so;
+# bench/README.md). A remote model (openai) is network-bound: its shards run as many at a time as there are cores.
+LOCAL_MODEL_LIBRARIES = {"local": ["onnxruntime", "tokenizers"], "local-fp32": ["torch", "sentence_transformers"]}
+
+
 def backfill_executor() -> dg.ExecutorDefinition:
-    return _dask() or dg.multiprocess_executor
+    dask = _dask()
+    if dask:
+        return dask
+    libraries = LOCAL_MODEL_LIBRARIES.get(os.environ.get("KB_EMBEDDER", "local").lower())
+    if libraries is None:
+        return dg.multiprocess_executor
+    return dg.multiprocess_executor.configured(
+        {"max_concurrent": 1,
+         "start_method": {"forkserver": {"preload_modules": [*libraries, "assets.definitions"]}}},
+        name="multiprocess")
 
 
 def model_pool() -> str | None:
