@@ -7,7 +7,8 @@ from dataclasses import dataclass, field
 
 import dagster as dg
 
-QUIET = {"loggers": {"console": {"config": {"log_level": "ERROR"}}}}  # the run's events still go to the instance
+# Nothing of Dagster's console log: kb prints the outcome and the reason; the run's events still go to the instance.
+QUIET = {"loggers": {"console": {"config": {"log_level": "CRITICAL"}}}}
 
 
 @dataclass
@@ -25,7 +26,9 @@ def execute(job_name: str, instance: dg.DagsterInstance, partition: str | None =
     tags = {"dagster/partition": partition} if partition else None
     with dg.execute_job(job, instance, run_config=QUIET, tags=tags) as result:
         events = result.all_events
-        failure = next((_why(e.event_specific_data) for e in events if e.is_step_failure), None)
+        failure = next((_why(e.event_specific_data) for e in events if e.is_step_failure), None) or next(
+            (_run_failure(e.event_specific_data) for e in events if e.event_type == dg.DagsterEventType.RUN_FAILURE),
+            None)
         outputs = {e.step_key: {k: v.value for k, v in e.event_specific_data.metadata.items()}
                    for e in events if e.is_successful_output}
         return Outcome(result.run_id, result.success, failure, outputs)
@@ -36,3 +39,9 @@ def _why(failure) -> str:
     if failure.user_failure_data is not None and failure.user_failure_data.description:
         return failure.user_failure_data.description
     return failure.error.message.strip() if failure.error else "the step failed"
+
+
+def _run_failure(data) -> str | None:
+    """Why a run failed outside any step (the executor could not start: a dask scheduler that does not answer)."""
+    error = getattr(data, "error", None)
+    return error.message.strip() if error else None

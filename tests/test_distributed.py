@@ -110,3 +110,18 @@ def test_a_model_backfill_runs_its_shards_on_separate_dask_workers(conn, embedde
     assert again["success"] and again["shards_done"] == 16 and again["computed"] == 0  # a rerun changes nothing
     assert conn.execute(f'SELECT count(*) FROM "{table_name(TorchEmbedder.model_key)}"').fetchone()[0] == vectors
     assert active_model(conn) == TorchEmbedder.model_key
+
+
+def test_a_dask_scheduler_that_does_not_answer_fails_the_run_in_one_line(settings, tmp_path, monkeypatch):
+    from assets.instance import STORAGE_ENV
+
+    monkeypatch.setenv("DAGSTER_HOME", str(tmp_path / "dagster"))
+    monkeypatch.setenv(STORAGE_ENV, "")
+    monkeypatch.setenv("KB_DASK_SCHEDULER", f"tcp://127.0.0.1:{free_port()}")  # nothing listens there
+    monkeypatch.setenv("DASK_DISTRIBUTED__COMM__TIMEOUTS__CONNECT", "2s")
+    out = subprocess.run([str(BIN / "kb"), "dagster", "reembed"], capture_output=True, text=True,
+                         env=os.environ.copy(), timeout=300)
+    assert out.returncode == 1
+    lines = (out.stdout + out.stderr).strip().splitlines()
+    assert len(lines) == 2 and "FAILED" in lines[0], lines
+    assert os.environ["KB_DASK_SCHEDULER"] in lines[1] and "Traceback" not in out.stderr
