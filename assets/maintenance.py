@@ -50,12 +50,14 @@ def backfill_summary(context: dg.OpExecutionContext, kb: KnowledgeBase) -> None:
         raise dg.Failure(f"shards {', '.join(sorted(missing))} still lack {sum(missing.values())} vectors of"
                          f" {kb.embedder.model_key}; re-run the backfill (it resumes)",
                          metadata={"missing": dg.MetadataValue.json(missing)})
-    done = [e.dagster_event.event_specific_data.metadata
-            for e in context.instance.all_logs(context.run_id, of_type=dg.DagsterEventType.STEP_OUTPUT)
-            if e.dagster_event and (e.step_key or "").startswith("model_backfill.embed_shard_")]
-    workers = sorted({m["worker"].value for m in done if "worker" in m})
-    context.add_output_metadata({"computed": sum(m["computed"].value for m in done if "computed" in m),
-                                 "shards_done": len(done), "workers": dg.MetadataValue.json(workers),
+    # A shard whose worker died may have run twice (dask hands it to another worker): count shards once, work twice.
+    outputs = [(e.step_key, e.dagster_event.event_specific_data.metadata)
+               for e in context.instance.all_logs(context.run_id, of_type=dg.DagsterEventType.STEP_OUTPUT)
+               if e.dagster_event and (e.step_key or "").startswith("model_backfill.embed_shard_")]
+    workers = sorted({m["worker"].value for _, m in outputs if "worker" in m})
+    context.add_output_metadata({"computed": sum(m["computed"].value for _, m in outputs if "computed" in m),
+                                 "shards_done": len({key for key, _ in outputs}),
+                                 "workers": dg.MetadataValue.json(workers),
                                  "model": kb.embedder.model_key})
 
 

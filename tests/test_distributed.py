@@ -125,3 +125,49 @@ def test_a_dask_scheduler_that_does_not_answer_fails_the_run_in_one_line(setting
     lines = (out.stdout + out.stderr).strip().splitlines()
     assert len(lines) == 2 and "FAILED" in lines[0], lines
     assert os.environ["KB_DASK_SCHEDULER"] in lines[1] and "Traceback" not in out.stderr
+
+
+def test_a_worker_killed_mid_backfill_loses_nothing_and_the_backfill_completes(conn, embedder, settings,
+                                                                               dask_cluster, tmp_path, monkeypatch):
+    """SIGKILL one of two workers while shards are embedding: dask hands its shards to the other worker (or a rerun
+    resumes them); in the end every live text has exactly one vector and search switched to the new model."""
+    import signal
+
+    from pipelines.settings import REPO_ROOT
+
+    records = tmp_path / "records.jsonl"
+    with open(REPO_ROOT.parent / "shared" / "datasets" / "scifact" / "corpus.jsonl") as corpus:
+        records.write_text("".join(line for _, line in zip(range(400), corpus)))
+    add_source(conn, declare("records", records), "tests")
+    ingest(conn, embedder, load_settings(), ["records"])
+
+    from assets.instance import STORAGE_ENV, prepare_instance
+
+    monkeypatch.setenv("DAGSTER_HOME", str(tmp_path / "dagster"))
+    monkeypatch.setenv(STORAGE_ENV, "")
+    prepare_instance(settings)
+    monkeypatch.setenv("KB_EMBEDDER", "local-fp32")
+    address, worker_pids = dask_cluster(workers=2)
+    monkeypatch.setenv("KB_DASK_SCHEDULER", address)
+
+    run = subprocess.Popen([str(BIN / "kb"), "dagster", "reembed", "--json"], stdout=subprocess.PIPE,
+                           stderr=subprocess.PIPE, text=True, env=os.environ.copy())
+    table = table_name(TorchEmbedder.model_key)
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline:  # until the shards are under way
+        if conn.execute("SELECT to_regclass(%s) IS NOT NULL", (table,)).fetchone()[0] and \
+                conn.execute(f'SELECT count(*) FROM "{table}"').fetchone()[0] > 0:
+            break
+        time.sleep(0.2)
+    os.kill(worker_pids[0], signal.SIGKILL)
+    stdout, stderr = run.communicate(timeout=900)
+    first = json.loads(stdout)
+    if first["success"]:  # dask re-ran the dead worker's shards elsewhere: each shard is counted once
+        assert first["shards_done"] == 16, first
+    else:  # the run may fail with its worker; the rerun resumes what is missing
+        again = reembed()
+        assert again["success"] and again["computed"] > 0, (first, again)
+    assert missing_by_shard(conn, TorchEmbedder()) == {}
+    live = conn.execute("SELECT count(DISTINCT text_hash) FROM chunks WHERE valid_to IS NULL").fetchone()[0]
+    assert conn.execute(f'SELECT count(*), count(DISTINCT text_hash) FROM "{table}"').fetchone() == (live, live)
+    assert active_model(conn) == TorchEmbedder.model_key
