@@ -73,6 +73,21 @@ def dask_cluster(tmp_path):
             process.kill()
 
 
+def deploy(settings, tmp_path, monkeypatch, dask_cluster) -> list[int]:
+    """Every process (this one, `kb`, the scheduler and two workers) sees one environment, as machines of one
+    deployment would: the database, the shared instance, the new model (torch fp32) and the cluster. Returns the
+    workers' pids."""
+    from assets.instance import STORAGE_ENV, prepare_instance
+
+    monkeypatch.setenv("DAGSTER_HOME", str(tmp_path / "dagster"))
+    monkeypatch.setenv(STORAGE_ENV, "")
+    prepare_instance(settings)
+    monkeypatch.setenv("KB_EMBEDDER", "local-fp32")
+    address, worker_pids = dask_cluster(workers=2)
+    monkeypatch.setenv("KB_DASK_SCHEDULER", address)
+    return worker_pids
+
+
 def reembed() -> dict:
     out = subprocess.run([str(BIN / "kb"), "dagster", "reembed", "--json"], capture_output=True, text=True,
                          env=os.environ.copy(), timeout=900)
@@ -86,16 +101,7 @@ def test_a_model_backfill_runs_its_shards_on_separate_dask_workers(conn, embedde
     ingest(conn, embedder, load_settings(), ["samples"])  # served by the default model (int8 ONNX)
     texts = conn.execute("SELECT count(DISTINCT text_hash) FROM chunks WHERE valid_to IS NULL").fetchone()[0]
 
-    # Every process (this one, `kb`, the scheduler and the workers) sees one environment, as machines of one
-    # deployment would: the database, the shared instance, the new model and the cluster.
-    from assets.instance import STORAGE_ENV, prepare_instance
-
-    monkeypatch.setenv("DAGSTER_HOME", str(tmp_path / "dagster"))
-    monkeypatch.setenv(STORAGE_ENV, "")
-    prepare_instance(settings)
-    monkeypatch.setenv("KB_EMBEDDER", "local-fp32")
-    address, worker_pids = dask_cluster(workers=2)
-    monkeypatch.setenv("KB_DASK_SCHEDULER", address)
+    worker_pids = deploy(settings, tmp_path, monkeypatch, dask_cluster)
 
     first = reembed()
     assert first["success"] and first["shards_done"] == 16
@@ -141,14 +147,7 @@ def test_a_worker_killed_mid_backfill_loses_nothing_and_the_backfill_completes(c
     add_source(conn, declare("records", records), "tests")
     ingest(conn, embedder, load_settings(), ["records"])
 
-    from assets.instance import STORAGE_ENV, prepare_instance
-
-    monkeypatch.setenv("DAGSTER_HOME", str(tmp_path / "dagster"))
-    monkeypatch.setenv(STORAGE_ENV, "")
-    prepare_instance(settings)
-    monkeypatch.setenv("KB_EMBEDDER", "local-fp32")
-    address, worker_pids = dask_cluster(workers=2)
-    monkeypatch.setenv("KB_DASK_SCHEDULER", address)
+    worker_pids = deploy(settings, tmp_path, monkeypatch, dask_cluster)
 
     run = subprocess.Popen([str(BIN / "kb"), "dagster", "reembed", "--json"], stdout=subprocess.PIPE,
                            stderr=subprocess.PIPE, text=True, env=os.environ.copy())
