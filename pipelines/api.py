@@ -14,7 +14,7 @@ from __future__ import annotations
 from contextlib import asynccontextmanager
 from importlib import resources
 from importlib.metadata import version
-from datetime import datetime, timezone
+from datetime import datetime
 from pathlib import Path
 from typing import Literal
 
@@ -174,8 +174,6 @@ def create_app(settings: Settings | None = None, require_key: bool = False) -> F
     ) -> dict:
         _text(q), _text(source_id), _text(groups)
         requested = None if groups is None else [g.strip() for g in groups.split(",") if g.strip()]
-        if as_of is not None and as_of.tzinfo is None:
-            as_of = as_of.replace(tzinfo=timezone.utc)
         filters = Filters(source_id=source_id, groups=groups_for(key, requested), as_of=as_of)
         with request.app.state.pool.connection() as conn:
             try:
@@ -194,8 +192,7 @@ def create_app(settings: Settings | None = None, require_key: bool = False) -> F
         from pipelines.chat import ChatNotConfigured
 
         _text(body.question), _text(body.source_id)
-        as_of = body.as_of.replace(tzinfo=timezone.utc) if body.as_of and body.as_of.tzinfo is None else body.as_of
-        filters = Filters(source_id=body.source_id, groups=groups_for(key, body.groups), as_of=as_of)
+        filters = Filters(source_id=body.source_id, groups=groups_for(key, body.groups), as_of=body.as_of)
         with request.app.state.pool.connection() as conn:
             try:
                 return answer_question(conn, settings, body.question, body.k, mode=body.mode, filters=filters,

@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import sys
 from contextlib import contextmanager
-from datetime import timedelta, timezone
+from datetime import timedelta
 from decimal import Decimal
 from pathlib import Path
 
@@ -147,6 +147,9 @@ class _Commands(click.Group):
             raise click.ClickException(f"{type(exc).__name__}: {exc}{hint}") from exc
 
 
+# --as-of: a date, or a date and time to the minute or second, with or without a zone (none: UTC).
+AS_OF = click.DateTime(["%Y-%m-%dT%H:%M:%S%z", "%Y-%m-%dT%H:%M:%S", "%Y-%m-%dT%H:%M%z", "%Y-%m-%dT%H:%M", "%Y-%m-%d"])
+
 @click.group(cls=_Commands)
 @click.version_option(package_name="kb", message="%(prog)s %(version)s")
 @click.option("--verbose", is_flag=True, help="Show the traceback of an error.")
@@ -253,7 +256,7 @@ def _readers(groups) -> str:
 @click.option("--lexical-weight", type=FRACTION, help="RRF weight of the lexical arm (default: by query type).")
 @click.option("--k-overfetch", default=20, show_default=True, type=click.IntRange(1, 1000))
 @click.option("--group", "groups", multiple=True, help="A group the caller belongs to (repeatable).")
-@click.option("--as-of", "as_of", type=click.DateTime(["%Y-%m-%dT%H:%M:%S%z", "%Y-%m-%dT%H:%M:%S", "%Y-%m-%d"]),
+@click.option("--as-of", "as_of", type=AS_OF,
               help="Answer from the knowledge base as it was at this time (UTC unless an offset is given).")
 @click.option("--diversity", default=0.0, type=FRACTION, help="MMR diversity over the candidates (0: off).")
 @click.option("--freshness", default=0.0, type=click.FloatRange(0, None), help="Boost for recent documents (0: off).")
@@ -270,8 +273,6 @@ def search(query, k, source_id, arm, mode, lexical_weight, k_overfetch, groups, 
     from pipelines.search import Filters
     from pipelines.service import EmptyKnowledgeBase, run_search
 
-    if as_of is not None and as_of.tzinfo is None:
-        as_of = as_of.replace(tzinfo=timezone.utc)
     settings = load_settings()
     filters = Filters(source_id=source_id, groups=list(groups), as_of=as_of)
     with connect(settings) as conn:
@@ -490,7 +491,7 @@ def cite(answer, groups, strict, as_json) -> None:
 @click.option("--mode", type=click.Choice(["chunks", "qa_first", "qa_only"]), default="qa_first", show_default=True)
 @click.option("--source-id", help="Only this source.")
 @click.option("--group", "groups", multiple=True, help="A group the caller belongs to (repeatable).")
-@click.option("--as-of", "as_of", type=click.DateTime(["%Y-%m-%dT%H:%M:%S%z", "%Y-%m-%dT%H:%M:%S", "%Y-%m-%d"]),
+@click.option("--as-of", "as_of", type=AS_OF,
               help="Answer from the knowledge base as it was at this time.")
 @click.option("--hyde", is_flag=True, help="Search with the embedding of a hypothetical answer (needs KB_CHAT_MODEL).")
 @click.option("--compress", is_flag=True, help="Keep only the context sentences that bear on the question.")
@@ -503,8 +504,6 @@ def ask(question, k, mode, source_id, groups, as_of, hyde, compress, no_rerank, 
     from pipelines.search import Filters
     from pipelines.service import EmptyKnowledgeBase
 
-    if as_of is not None and as_of.tzinfo is None:
-        as_of = as_of.replace(tzinfo=timezone.utc)
     settings = load_settings()
     with connect(settings) as conn:
         try:

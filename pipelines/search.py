@@ -13,7 +13,7 @@ from __future__ import annotations
 import re
 import dataclasses
 from dataclasses import asdict, dataclass, field
-from datetime import date, datetime
+from datetime import date, datetime, timezone
 
 import numpy as np
 import psycopg
@@ -65,6 +65,10 @@ class Filters:
     groups: list[str] = field(default_factory=list)  # the caller's groups: restricted sources need one of them
     as_of: datetime | None = None
     cards: str = "exclude"  # Q&A cards: "exclude" (chunks only), "only" (cards only) or "include" (both)
+
+    def __post_init__(self) -> None:
+        if self.as_of is not None and self.as_of.tzinfo is None:  # a time without a zone is UTC, for every caller
+            self.as_of = self.as_of.replace(tzinfo=timezone.utc)
 
     @property
     def narrows(self) -> bool:

@@ -141,6 +141,9 @@ def test_an_as_of_before_the_first_ingest_says_why_nothing_is_found(settings, tm
     assert out.returncode == 0
     assert re.match(rf"no results: nothing was in the knowledge base at 2024-06-01T00:00:00\+00:00: its history starts"
                     rf" at {ISO}", out.stdout), out.stdout
+    for command in ("search", "ask"):  # the README's form, minutes and no zone, as `kb search` and `kb ask` read it
+        out = kb(command, "HR-2024-047", "--as-of", "2024-06-01T09:00", "--json")
+        assert out.returncode == 0, out.stderr
 
 
 def test_user_mistakes_exit_2_with_one_clear_line(settings, tmp_path):
