@@ -22,15 +22,14 @@ from dataclasses import asdict, dataclass
 import numpy as np
 import psycopg
 
-from pipelines.chat import ChatNotConfigured, chat_client, complete
+from pipelines.chat import ChatNotConfigured, openai_client, complete
 from pipelines.citations import validate_citations
-from pipelines.search import Filters, visible_sources
+from pipelines.search import Filters, embed_query, visible_sources
 from pipelines.sentences import split_sentences
 from pipelines.settings import Settings
 
 NOT_FOUND = "not found in the documents"
 NOT_FOUND_MARK = "NOT_FOUND"
-PROMPT_VERSION = "answer-1"
 # Abstain when the best context's cosine to the question is below this (and no context holds a code the question
 # asks about). Calibrated on samples/answers.jsonl with the default int8 model, where answerable questions' best
 # contexts score 0.39-0.89 and unanswerable ones 0.19-0.68: 0.55 abstains on 8 of 12 unanswerable questions and on
@@ -70,17 +69,18 @@ def answer_question(conn: psycopg.Connection, settings: Settings, question: str,
     started = time.perf_counter()
     filters = filters or Filters()
     embedder = query_embedder(conn, settings)
-    client = chat_client(settings) if settings.chat_model else None
-    vector = None
+    client = openai_client(settings) if settings.chat_model else None
+    question_vector = embed_query(embedder, question)  # once: retrieval, compression and extraction score with it
+    vector = question_vector
     if hyde:
         if client is None:
             raise ChatNotConfigured("HyDE needs a chat model: set KB_CHAT_MODEL")
-        vector = embedder.embed([complete(client, settings.chat_model, HYDE_PROMPT.format(question=question))])[0]
+        vector = embed_query(embedder, complete(client, settings.chat_model, HYDE_PROMPT.format(question=question)))
     query_class, hits = retrieve(conn, settings, question, k, mode=mode, filters=filters, rerank=rerank, vector=vector)
     timings["retrieve_s"] = round(time.perf_counter() - started, 3)
     contexts = _contexts(conn, hits)
     if compress:
-        contexts = _compressed(embedder, question, contexts)
+        contexts = _compressed(embedder, question_vector, contexts)
     confidence = max((c.similarity for c in contexts if c.similarity is not None), default=0.0)
     exact = any(hit.exact for hit in hits)  # a context holds the code the question asks about: lexical evidence
     result = {"question": question, "mode": mode, "generator": f"chat:{settings.chat_model}" if client else "extractive",
@@ -98,7 +98,7 @@ def answer_question(conn: psycopg.Connection, settings: Settings, question: str,
             return _abstain(result, contexts, "the model found no answer in the contexts")
         sentences = _cited_sentences(reply, contexts)
     else:
-        sentences = _extract(embedder, question, contexts)
+        sentences = _extract(embedder, question_vector, contexts)
     timings["generate_s"] = round(time.perf_counter() - started, 3)
     started = time.perf_counter()
     kept, removed = _verified(conn, embedder, sentences, contexts, filters)
@@ -137,25 +137,24 @@ def _contexts(conn: psycopg.Connection, hits: list) -> list[Context]:
     return list(contexts.values())
 
 
-def _similar(embedder, question: str, texts: list[str]) -> np.ndarray:
-    vectors = embedder.embed([question, *texts])
-    return vectors[1:] @ vectors[0]
-
-
-def _compressed(embedder, question: str, contexts: list[Context]) -> list[Context]:
-    for context in contexts:
-        sentences = split_sentences(context.text) or [context.text]
-        scores = _similar(embedder, question, sentences)
+def _compressed(embedder, question_vector: np.ndarray, contexts: list[Context]) -> list[Context]:
+    if not contexts:
+        return contexts
+    split = [split_sentences(context.text) or [context.text] for context in contexts]
+    all_scores = embedder.embed([s for sentences in split for s in sentences]) @ question_vector  # one call
+    ends = np.cumsum([len(sentences) for sentences in split])
+    for context, sentences, end in zip(contexts, split, ends):
+        scores = all_scores[end - len(sentences):end]
         best = float(scores.max())
         context.text = " ".join(s for s, score in zip(sentences, scores) if score >= COMPRESS_SIMILARITY or score == best)
     return contexts
 
 
-def _extract(embedder, question: str, contexts: list[Context]) -> list[tuple[str, list[int]]]:
+def _extract(embedder, question_vector: np.ndarray, contexts: list[Context]) -> list[tuple[str, list[int]]]:
     """The sentence closest to the question among the top contexts, and the next one of the same context when it
     is nearly as close."""
     candidates = [(s, c.n) for c in contexts[:3] for s in (split_sentences(c.text) or [c.text])]
-    scores = _similar(embedder, question, [s for s, _ in candidates])
+    scores = embedder.embed([s for s, _ in candidates]) @ question_vector
     order = np.argsort(-scores)
     best = candidates[order[0]]
     chosen = [best] + [candidates[i] for i in order[1:EXTRACT_MAX_SENTENCES]

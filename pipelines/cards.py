@@ -24,7 +24,7 @@ import psycopg
 from psycopg.types.json import Jsonb
 
 from pipelines import bulk
-from pipelines.chat import chat_client, complete
+from pipelines.chat import openai_client, complete
 from pipelines.enrich import ENRICH_VERSION, context_title, embed_prefix, extract_entities
 from pipelines.hashing import hash_text
 from pipelines.report import NO_PROGRESS, Progress, StageReport
@@ -97,7 +97,7 @@ class ChatCards:
         self.model = settings.chat_model
         self.generator, self.family = f"chat:{settings.chat_model}:{PROMPT_VERSION}", "chat"
         self.concurrency = settings.chat_concurrency
-        self.client = chat_client(settings)
+        self.client = openai_client(settings)
 
     def cards(self, chunks: list[SourceChunk]) -> list[list[dict]]:
         with ThreadPoolExecutor(max_workers=self.concurrency) as pool:
@@ -188,10 +188,11 @@ def generate_cards(conn: psycopg.Connection, settings: Settings, embedders: list
 
     report = StageReport("cards", ("chunks", "cards", "generated", "reused", "refused"))
     counter = embedders[0].counter
+    chosen = generators(settings)
     progress.total(sum(conn.execute(f"SELECT count(*) FROM ({PENDING}) p", {"ids": source_ids, "limit": None,
                                                                            "generator": g.generator}).fetchone()[0]
-                       for g in generators(settings)))
-    for generator in generators(settings):
+                       for g in chosen))
+    for generator in chosen:
         while rows := conn.execute(PENDING, {"ids": source_ids, "generator": generator.generator,
                                              "limit": batch_size}).fetchall():
             chunks = [SourceChunk(*row) for row in rows]

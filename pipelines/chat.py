@@ -11,7 +11,8 @@ class ChatNotConfigured(RuntimeError):
     pass
 
 
-def chat_client(settings: Settings):
+def openai_client(settings: Settings):
+    """The client for OPENAI_BASE_URL, chat and embeddings alike (its key, retries and timeout)."""
     from openai import OpenAI
 
     return OpenAI(api_key=settings.openai_api_key or "not-needed", base_url=settings.openai_base_url,

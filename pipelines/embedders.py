@@ -136,17 +136,12 @@ class OpenAIEmbedder:
     exponential backoff and honours Retry-After, so kb does not re-implement any of it."""
 
     def __init__(self, settings: Settings):
-        from openai import OpenAI
+        from pipelines.chat import openai_client
 
         self.model = settings.openai_model
         self.batch_size = settings.openai_batch_size
         self.concurrency = settings.openai_concurrency
-        self.client = OpenAI(
-            api_key=settings.openai_api_key or "not-needed",
-            base_url=settings.openai_base_url,
-            max_retries=settings.openai_max_retries,
-            timeout=settings.openai_timeout_s,
-        )
+        self.client = openai_client(settings)
         self._requested_dimensions = settings.openai_dimensions
         self.counter = TiktokenCounter(settings.state_dir / "tiktoken")
 

@@ -14,7 +14,7 @@ import numpy as np
 import psycopg
 from psycopg import sql
 
-from pipelines.chat import chat_client, complete
+from pipelines.chat import openai_client, complete
 from pipelines.search import Hit
 from pipelines.settings import Settings
 from pipelines.vector_store import vector_table
@@ -53,7 +53,7 @@ class LLMReranker:
 
     def __init__(self, settings: Settings, model: str):
         self.model = model
-        self.client = chat_client(settings)
+        self.client = openai_client(settings)
 
     def rerank(self, query: str, hits: list[Hit]) -> list[Hit]:
         if not hits:
