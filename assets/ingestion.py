@@ -21,7 +21,7 @@ INGESTION, EMBEDDINGS = "ingestion", "embeddings"
 OWNERS = ["team:search-platform"]
 
 
-def _table(name: str) -> dict:
+def table(name: str) -> dict:
     return {"dagster/table_name": f"kb.public.{name}"}
 
 
@@ -56,14 +56,14 @@ def run_stage(context: dg.AssetExecutionContext, kb: KnowledgeBase, stage: str, 
 
     with ingest_run(kb, context, allow_deletions) as run:
         report = run.run_stage(stage)
-        held = holdings(run.conn, context.partition_key)[asset]
+        held = holdings(run.conn, context.partition_key, asset)
     for failure in report.failures:
         context.log.warning(str(failure))
     return report, {**report_metadata(report), "dagster/row_count": dg.MetadataValue.int(held)}
 
 
 @dg.asset(partitions_def=sources, group_name=INGESTION, kinds={"python", "postgres"}, owners=OWNERS,
-          tags={"stage": "extract"}, metadata=_table("documents"))
+          tags={"stage": "extract"}, metadata=table("documents"))
 def source_documents(context: dg.AssetExecutionContext, kb: KnowledgeBase, config: CrawlConfig) -> dg.MaterializeResult:
     """Documents found in the source, with size, mtime and content hash; vanished ones soft-deleted."""
     _, metadata = run_stage(context, kb, "extract", "source_documents", config.allow_deletions)
@@ -71,7 +71,7 @@ def source_documents(context: dg.AssetExecutionContext, kb: KnowledgeBase, confi
 
 
 @dg.asset(deps=[source_documents], partitions_def=sources, group_name=INGESTION, kinds={"unstructured", "postgres"},
-          owners=OWNERS, tags={"stage": "parse"}, metadata=_table("elements"), retry_policy=dg.RetryPolicy(max_retries=1))
+          owners=OWNERS, tags={"stage": "parse"}, metadata=table("elements"), retry_policy=dg.RetryPolicy(max_retries=1))
 def parsed_elements(context: dg.AssetExecutionContext, kb: KnowledgeBase) -> dg.MaterializeResult:
     """Elements (category, page, section path) of every document whose bytes changed, parsed by unstructured."""
     _, metadata = run_stage(context, kb, "parse", "parsed_elements")
@@ -79,7 +79,7 @@ def parsed_elements(context: dg.AssetExecutionContext, kb: KnowledgeBase) -> dg.
 
 
 @dg.asset(deps=[parsed_elements], partitions_def=sources, group_name=INGESTION, kinds={"python", "postgres"},
-          owners=OWNERS, tags={"stage": "chunk"}, metadata=_table("chunk_drafts"), code_version=CHUNKER_VERSION)
+          owners=OWNERS, tags={"stage": "chunk"}, metadata=table("chunk_drafts"), code_version=CHUNKER_VERSION)
 def chunk_drafts(context: dg.AssetExecutionContext, kb: KnowledgeBase) -> dg.MaterializeResult:
     """Heading-, sentence- and table-aware chunks of changed documents, sized to the embedding model's limit."""
     _, metadata = run_stage(context, kb, "chunk", "chunk_drafts")
@@ -87,7 +87,7 @@ def chunk_drafts(context: dg.AssetExecutionContext, kb: KnowledgeBase) -> dg.Mat
 
 
 @dg.asset(deps=[chunk_drafts], partitions_def=sources, group_name=INGESTION, kinds={"python", "postgres"},
-          owners=OWNERS, tags={"stage": "enrich"}, metadata=_table("chunk_drafts"), code_version=ENRICH_VERSION)
+          owners=OWNERS, tags={"stage": "enrich"}, metadata=table("chunk_drafts"), code_version=ENRICH_VERSION)
 def enriched_chunks(context: dg.AssetExecutionContext, kb: KnowledgeBase) -> dg.MaterializeResult:
     """Drafts with their embedded text (title + section path + text), text hash and extracted entities."""
     _, metadata = run_stage(context, kb, "enrich", "enriched_chunks")
@@ -109,7 +109,7 @@ GOLDEN = dg.AssetCheckSpec("golden_set_hit_rate", asset="published_chunks", bloc
 
 
 @dg.asset(deps=[chunk_embeddings], partitions_def=sources, group_name=EMBEDDINGS, kinds={"postgres", "pgvector"},
-          owners=OWNERS, tags={"stage": "publish"}, metadata=_table("chunks"), check_specs=[GOLDEN])
+          owners=OWNERS, tags={"stage": "publish"}, metadata=table("chunks"), check_specs=[GOLDEN])
 def published_chunks(context: dg.AssetExecutionContext, kb: KnowledgeBase) -> dg.MaterializeResult:
     """The searchable chunks: each document's new version swapped in atomically, replaced chunks kept as history;
     served only if the golden set holds."""
@@ -146,7 +146,7 @@ def _gate_metadata(gate: dict) -> dict:
 
 
 @dg.asset(deps=[published_chunks], partitions_def=sources, group_name=EMBEDDINGS, kinds={"openai", "postgres"},
-          owners=OWNERS, tags={"stage": "cards"}, metadata=_table("chunks"), pool=model_pool(),
+          owners=OWNERS, tags={"stage": "cards"}, metadata=table("chunks"), pool=model_pool(),
           retry_policy=dg.RetryPolicy(max_retries=2, delay=10))
 def qa_cards(context: dg.AssetExecutionContext, kb: KnowledgeBase) -> dg.MaterializeResult:
     """Question -> answer cards of the new chunks (FAQ rules, and the chat model when KB_CHAT_MODEL is set),

@@ -14,7 +14,7 @@ import socket
 import dagster as dg
 
 from assets.executors import model_pool
-from assets.ingestion import OWNERS, published_chunks, source_documents
+from assets.ingestion import OWNERS, published_chunks, source_documents, table
 from assets.resources import KnowledgeBase
 
 MAINTENANCE = "maintenance"
@@ -83,7 +83,7 @@ def active_model(kb: KnowledgeBase) -> dg.MaterializeResult:
 
 
 @dg.asset(deps=[dg.AssetDep(source_documents, partition_mapping=dg.AllPartitionMapping())], group_name=MAINTENANCE,
-          kinds={"postgres"}, owners=OWNERS, metadata={"dagster/table_name": "kb.public.documents"},
+          kinds={"postgres"}, owners=OWNERS, metadata=table("documents"),
           automation_condition=dg.AutomationCondition.on_cron("30 5 * * *"))
 def stale_documents(kb: KnowledgeBase) -> dg.MaterializeResult:
     """Documents whose source was not crawled within its freshness window (daily, 05:30); purges old history if

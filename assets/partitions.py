@@ -1,17 +1,15 @@
-"""Partitions: one per declared source for ingestion, 16 hash shards for embedding backfills.
+"""Partitions: one per declared source for ingestion (a backfill's 16 hash shards are ops: assets/maintenance.py).
 
 Source partitions are dynamic: the `sources` table is the truth (kb.toml or `kb source ...`), and
 `sync_source_partitions` (run by the `source_partitions` sensor and by the CLI when it changes a declaration)
 keeps the instance in step, so a source declared from the CLI appears in the UI without a restart.
-Per-document state lives in PostgreSQL, never in partitions: a million documents are still 16 shards, which keeps
-Dagster's UI fast and lets a backfill fan out over any executor or run launcher.
+Per-document state lives in PostgreSQL, never in partitions, which keeps Dagster's UI fast at a million documents.
 """
 
 import dagster as dg
 
 SOURCES = "sources"
 sources = dg.DynamicPartitionsDefinition(name=SOURCES)
-hash_shards = dg.StaticPartitionsDefinition(list("0123456789abcdef"))
 
 
 def partition_changes(existing: list[str], declared: list[str]) -> tuple[list[str], list[str]]:

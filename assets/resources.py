@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from contextlib import contextmanager
-from functools import cached_property
+from functools import cache, cached_property
 from typing import Iterator
 
 import dagster as dg
@@ -31,12 +31,11 @@ class KnowledgeBase(dg.ConfigurableResource):
     def embedder(self):
         """One model per process and configuration: the steps a worker process runs one after another (a
         backfill's shards on a dask worker) load it once, not once per step."""
-        from pipelines.embedders import make_embedder
-
-        key = repr(self.settings)
-        if key not in _EMBEDDERS:
-            _EMBEDDERS[key] = make_embedder(self.settings)
-        return _EMBEDDERS[key]
+        return _embedder(self.settings)
 
 
-_EMBEDDERS: dict[str, object] = {}
+@cache
+def _embedder(settings: Settings):
+    from pipelines.embedders import make_embedder
+
+    return make_embedder(settings)

@@ -720,7 +720,6 @@ def dagster_ingest(sources, as_json) -> None:
     from assets.partitions import sync_source_partitions
     from assets.runs import execute
     from pipelines.sources import load_sources
-    from pipelines.status import knowledge_base_status
 
     results = {}
     with _dagster_instance() as (conn, instance):
@@ -731,10 +730,10 @@ def dagster_ingest(sources, as_json) -> None:
         sync_source_partitions(instance, declared)
         for source_id in sources or declared:
             outcome = execute("ingest", instance, partition=source_id)
-            last = knowledge_base_status(conn)["last_run"]
+            row = conn.execute("SELECT counters FROM ingest_runs WHERE external_run_id = %s",
+                                (outcome.run_id,)).fetchone()
             results[source_id] = {"run_id": outcome.run_id, "success": outcome.success, "failure": outcome.failure,
-                                  "counters": last["counters"] if last and last["external_run_id"] == outcome.run_id
-                                  else {}}
+                                  "counters": row[0] if row else {}}
     lines = []
     for source_id, result in results.items():
         c = result["counters"]

@@ -64,7 +64,7 @@ def _latency_plot(results: dict) -> str:
     return _png(figure)
 
 
-def _bars_plot(counts: dict, title: str, horizontal: bool = True) -> str:
+def _bars_plot(counts: dict, title: str) -> str:
     import matplotlib.pyplot as plt
 
     figure, axis = plt.subplots(figsize=(5, 0.4 + 0.3 * max(len(counts), 1)))

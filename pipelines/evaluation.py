@@ -36,14 +36,9 @@ CONFIGURATIONS = (
 )
 
 
-def load_queries(dataset: Path, split: str) -> tuple[dict[str, str], dict[str, dict[str, int]]]:
-    """Queries that have judgements in the split, and the judgements {query_id: {doc_id: relevance}}."""
-    queries, qrels, _ = load_dataset_queries(dataset, split)
-    return queries, qrels
-
-
 def load_dataset_queries(dataset: Path, split: str) -> tuple[dict[str, str], dict[str, dict[str, int]], dict[str, dict]]:
-    """load_queries plus each query's metadata (an identifier set's `kind` and `form`, for per-kind reports)."""
+    """Queries that have judgements in the split, the judgements {query_id: {doc_id: relevance}}, and each query's
+    metadata (an identifier set's `kind` and `form`, for per-kind reports)."""
     qrels: dict[str, dict[str, int]] = {}
     with open(dataset / "qrels" / f"{split}.tsv", encoding="utf-8") as handle:
         for line in handle:

@@ -76,15 +76,20 @@ def _no_progress(stage: str) -> Progress:
     return NO_PROGRESS
 
 
+def models_in_use(conn: psycopg.Connection, embedder: Embedder, settings: Settings) -> list[Embedder]:
+    """The configured model first, then every other model with vectors (the serving one during a switch)."""
+    return [embedder] + [embedder_for(key, settings) for key in model_tables(conn) if key != embedder.model_key]
+
+
 def embed_all_models(conn: psycopg.Connection, embedder: Embedder, settings: Settings,
                      source_ids: list[str] | None = None, progress: Progress = NO_PROGRESS) -> StageReport:
     """Embed with the configured model, and, while a model switch is under way, with the serving one too, so that
     new documents are searchable before and after the switch. Counters are the configured model's."""
     batch = settings.embed_batch_size
-    report = embed_pending(conn, embedder, source_ids, batch_size=batch, progress=progress)
-    for model_key in model_tables(conn):
-        if model_key != embedder.model_key:
-            embed_pending(conn, embedder_for(model_key, settings), source_ids, batch_size=batch)
+    configured, *others = models_in_use(conn, embedder, settings)
+    report = embed_pending(conn, configured, source_ids, batch_size=batch, progress=progress)
+    for other in others:
+        embed_pending(conn, other, source_ids, batch_size=batch)
     return report
 
 
@@ -182,9 +187,8 @@ class IngestRun:
         return report
 
     def _cards(self, progress: Progress) -> StageReport:
-        models = [self.embedder] + [embedder_for(key, self.settings) for key in model_tables(self.conn)
-                                    if key != self.embedder.model_key]
-        return generate_cards(self.conn, self.settings, models, self.source_ids, progress=progress)
+        return generate_cards(self.conn, self.settings, models_in_use(self.conn, self.embedder, self.settings),
+                              self.source_ids, progress=progress)
 
 
 def ingest(conn: psycopg.Connection, embedder: Embedder, settings: Settings, source_ids: list[str] | None = None,
