@@ -88,6 +88,8 @@ def mmr(conn: psycopg.Connection, model_key: str, query_vector: np.ndarray, hits
                                 " WHERE c.chunk_id = ANY(%s)").format(vector_table(conn, model_key)),
                         ([h.chunk_id for h in hits],)).fetchall()
     vectors = {chunk_id: np.asarray(v.to_numpy()) for chunk_id, v in rows}
+    for hit in hits:  # a lexical hit whose text has no vector: no similarity to anything
+        vectors.setdefault(hit.chunk_id, np.zeros_like(query_vector))
     remaining, chosen = list(hits), []
     while remaining and len(chosen) < k:
         def value(hit: Hit) -> float:

@@ -321,3 +321,23 @@ def test_an_as_of_read_before_every_document_changed_reads_that_time_from_histor
     assert "20 weeks" in pruned[0].content
     today = search(conn, embedder, query, 5)
     assert today and "26 weeks" in today[0].content and not {h.chunk_id for h in today} & valid_then
+
+
+def test_a_lexical_hit_without_a_vector_is_still_found(kb, embedder):
+    """A live chunk whose text has no vector in the serving model (a refused vector, a model mid-switch) still
+    answers on its words; it just has no dense score."""
+    from psycopg import sql
+
+    from pipelines.vector_store import active_model, vector_table
+
+    top = search(kb, embedder, "primary caregiver weeks of leave", 1, arm="lexical")[0]
+    kb.execute(sql.SQL("DELETE FROM {} WHERE text_hash = (SELECT text_hash FROM chunks WHERE chunk_id = %s)")
+               .format(vector_table(kb, active_model(kb))), (top.chunk_id,))
+    again = search(kb, embedder, "primary caregiver weeks of leave", 5, arm="lexical")
+    assert top.chunk_id in [h.chunk_id for h in again]
+    assert next(h for h in again if h.chunk_id == top.chunk_id).dense_score is None
+    from pipelines.rerank import mmr
+    from pipelines.search import embed_query
+
+    vector = embed_query(embedder, "primary caregiver weeks of leave")
+    assert top.chunk_id in [h.chunk_id for h in mmr(kb, active_model(kb), vector, again, 5, 0.5)]  # MMR keeps it

@@ -134,5 +134,5 @@ SELECT f.chunk_id, d.source_id, d.locator, d.title, c.section_path, c.text, c.en
 FROM fused f
 JOIN chunks c ON c.chunk_id = f.chunk_id
 JOIN documents d ON d.document_id = c.document_id
-JOIN {vectors} v ON v.text_hash = c.text_hash
+LEFT JOIN {vectors} v ON v.text_hash = c.text_hash  -- a lexical hit needs no vector (it then has no dense score)
 ORDER BY fused_score DESC, f.chunk_id
