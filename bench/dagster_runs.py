@@ -20,6 +20,7 @@ import subprocess
 import sys
 import time
 from contextlib import contextmanager
+from typing import Iterator
 from pathlib import Path
 
 BIN = Path(sys.executable).parent
@@ -44,20 +45,26 @@ def free_port() -> int:
 
 
 @contextmanager
-def dask_cluster(workers: int, env: dict, logs: Path):
-    """A scheduler and `workers` single-threaded workers, each a process of its own."""
+def dask_cluster(workers: int, env: dict, logs: Path) -> Iterator[tuple[str, list[int]]]:
+    """(scheduler address, worker pids): a scheduler and `workers` single-threaded workers, each a process of its
+    own with `env`, logging (and spilling) under `logs`; all stopped on exit. tests/test_distributed.py uses it too."""
     from distributed import Client
 
     port = free_port()
     address = f"tcp://127.0.0.1:{port}"
     logs.mkdir(parents=True, exist_ok=True)
-    processes = [subprocess.Popen([str(BIN / "dask"), "scheduler", "--host", "127.0.0.1", "--port", str(port),
-                                   "--no-dashboard"], stdout=open(logs / "scheduler.log", "w"),
-                                  stderr=subprocess.STDOUT, env=env)]
-    processes += [subprocess.Popen([str(BIN / "dask"), "worker", address, "--nthreads", "1", "--no-nanny",
-                                    "--no-dashboard", "--memory-limit", "0"], stdout=open(logs / f"worker-{i}.log", "w"),
-                                   stderr=subprocess.STDOUT, env=env) for i in range(workers)]
+    processes = []
+
+    def spawn(name: str, *args: str) -> subprocess.Popen:
+        process = subprocess.Popen([str(BIN / "dask"), *args], stdout=open(logs / f"{name}.log", "w"),
+                                   stderr=subprocess.STDOUT, env=env, cwd=logs)
+        processes.append(process)
+        return process
+
     try:
+        spawn("scheduler", "scheduler", "--host", "127.0.0.1", "--port", str(port), "--no-dashboard")
+        pids = [spawn(f"worker-{i}", "worker", address, "--name", f"worker-{i}", "--nthreads", "1", "--no-nanny",
+                      "--no-dashboard", "--memory-limit", "0").pid for i in range(workers)]
         deadline = time.monotonic() + 120
         while True:
             try:
@@ -67,9 +74,9 @@ def dask_cluster(workers: int, env: dict, logs: Path):
             except OSError:
                 if time.monotonic() > deadline:
                     raise
-        yield address
+        yield address, pids
     finally:
-        for process in processes:
+        for process in reversed(processes):
             process.terminate()
         for process in processes:
             try:
@@ -138,7 +145,7 @@ def backfill(server: str, workers: int | None, home: Path) -> dict:
     if workers is None:
         elapsed, result = kb("dagster", "reembed", "--json", env=env)
     else:
-        with dask_cluster(workers, env, home / "dask-logs" / str(workers)) as address:
+        with dask_cluster(workers, env, home / "dask-logs" / str(workers)) as (address, _):
             elapsed, result = kb("dagster", "reembed", "--json", env={**env, "KB_DASK_SCHEDULER": address})
     with psycopg.connect(server, autocommit=True) as admin:
         admin.execute(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")

@@ -6,14 +6,15 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
+from contextlib import ExitStack
 from pathlib import Path
 
 import pytest
 
+from bench.dagster_runs import dask_cluster as cluster, free_port
 from pipelines.embedders import TorchEmbedder
 from pipelines.embedding import missing_by_shard
 from pipelines.ingest import ingest
@@ -24,53 +25,12 @@ from pipelines.vector_store import active_model, table_name
 BIN = Path(sys.executable).parent
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture
 def dask_cluster(tmp_path):
-    """start(workers) -> (scheduler address, worker pids): a scheduler and workers started with the test's
-    environment as it is when called, all stopped at the end."""
-    processes: list[subprocess.Popen] = []
-    logs = tmp_path / "dask-logs"
-    logs.mkdir()
-
-    def spawn(name: str, *args: str) -> subprocess.Popen:
-        log = open(logs / f"{name}.log", "w")
-        process = subprocess.Popen([str(BIN / "dask"), *args], stdout=log, stderr=subprocess.STDOUT,
-                                   env=os.environ.copy(), cwd=tmp_path)
-        processes.append(process)
-        return process
-
-    def start(workers: int) -> tuple[str, list[int]]:
-        from distributed import Client
-
-        port = free_port()
-        address = f"tcp://127.0.0.1:{port}"
-        spawn("scheduler", "scheduler", "--host", "127.0.0.1", "--port", str(port), "--no-dashboard")
-        pids = [spawn(f"worker-{i}", "worker", address, "--name", f"worker-{i}", "--nthreads", "1", "--no-nanny",
-                      "--no-dashboard", "--memory-limit", "0").pid for i in range(workers)]
-        deadline = time.monotonic() + 120
-        while True:
-            try:
-                with Client(address, timeout=10) as client:
-                    client.wait_for_workers(workers, timeout=120)
-                    return address, pids
-            except OSError:
-                if time.monotonic() > deadline:
-                    raise
-
-    yield start
-    for process in reversed(processes):
-        process.terminate()
-    for process in processes:
-        try:
-            process.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            process.kill()
+    """start(workers) -> (scheduler address, worker pids): bench's cluster, started with the test's environment as
+    it is when called, stopped at the end."""
+    with ExitStack() as stack:
+        yield lambda workers: stack.enter_context(cluster(workers, os.environ.copy(), tmp_path / "dask-logs"))
 
 
 def deploy(settings, tmp_path, monkeypatch, dask_cluster) -> list[int]:
