@@ -374,7 +374,8 @@ def evaluate(datasets, split, database_url, weights, misses, per_query_path, com
     """Ingest BEIR datasets through the real pipeline and report hit@1/5/10, MRR@10, nDCG@10, recall@100 per
     arm, per query kind where the queries carry one (identifier sets), and against an earlier run; with
     --answers, score grounded answers on the current knowledge base."""
-    from pipelines.evaluation import METRICS, evaluate_answers, evaluate_dataset, paired_comparison
+    from pipelines.evaluation import (METRICS, evaluate_answers, evaluate_dataset, latency_summary,
+                                      paired_comparison)
     from pipelines.rerank import make_reranker
 
     if not datasets and not answer_set:
@@ -427,8 +428,7 @@ def evaluate(datasets, split, database_url, weights, misses, per_query_path, com
         for result in data.get("results", {}).values():
             for key in ("per_query", "earlier"):
                 result.pop(key, None)
-            latency = sorted(result.pop("latency_ms", []) or [0])
-            result["latency_ms"] = {"median": latency[len(latency) // 2], "p95": latency[int(0.95 * len(latency)) - 1]}
+            result["latency_ms"] = latency_summary(result.pop("latency_ms", []))
     _emit(report, as_json, "\n".join(lines).rstrip())
 
 

@@ -7,10 +7,9 @@ from __future__ import annotations
 import base64
 import html
 import io
-import statistics
 from pathlib import Path
 
-from pipelines.evaluation import METRICS
+from pipelines.evaluation import METRICS, latency_summary, per_query_deltas
 
 
 def _png(figure) -> str:
@@ -101,14 +100,12 @@ def write_report(report: dict, directory: Path) -> Path:
         results = data["results"]
         parts.append(f"<h2>{html.escape(name)} ({html.escape(data['split'])}, {data['queries']} queries)</h2>")
         parts.append(_table([[cfg] + [f"{r['metrics'][m]:.4f}" for m in METRICS] + [
-            f"{statistics.median(r['latency_ms']):.1f} / {sorted(r['latency_ms'])[int(0.95 * len(r['latency_ms'])) - 1]:.1f}"
-            if r.get("latency_ms") else "-"] for cfg, r in results.items()], ["configuration", *METRICS, "ms median / p95"]))
+            "{median:.1f} / {p95:.1f}".format(**latency_summary(r["latency_ms"])) if r.get("latency_ms") else "-"] for cfg, r in results.items()], ["configuration", *METRICS, "ms median / p95"]))
         parts.append(_metrics_plot(results))
         for cfg, result in results.items():
             compared = result.get("compared", {}).get("ndcg@10")
             if compared:
-                deltas = [result["per_query"][q]["ndcg@10"] - result["earlier"][q]["ndcg@10"]
-                          for q in result["per_query"] if q in result["earlier"]]
+                deltas = per_query_deltas(result["earlier"], result["per_query"])
                 parts.append(f"<h3>{html.escape(cfg)} against the earlier run</h3><p>nDCG@10 {compared['before']:.4f} ->"
                              f" {compared['after']:.4f}, per query {compared['mean_delta']:+.4f} +/-"
                              f" {compared['standard_error']:.4f}: {compared['wins']} wins, {compared['losses']} losses,"

@@ -7,6 +7,7 @@ recip_rank over the top 10, plus nDCG@10 and recall@100. A document's rank is it
 from __future__ import annotations
 
 import json
+import statistics
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,6 +35,12 @@ CONFIGURATIONS = (
     Configuration("lexical", "lexical"),
     Configuration("hybrid", "hybrid"),
 )
+
+
+def latency_summary(ms: list[float]) -> dict[str, float]:
+    """Median and p95 of per-query latencies, as `kb eval --json` and its report show them (0 when none)."""
+    ordered = sorted(ms) or [0.0]
+    return {"median": statistics.median(ordered), "p95": ordered[int(0.95 * len(ordered)) - 1]}
 
 
 def load_dataset_queries(dataset: Path, split: str) -> tuple[dict[str, str], dict[str, dict[str, int]], dict[str, dict]]:
@@ -143,13 +150,16 @@ def by_group(per_query: dict[str, dict], metadata: dict[str, dict], fields=("kin
             for group, rows in sorted(groups.items())}
 
 
+def per_query_deltas(before: dict[str, dict], after: dict[str, dict], metric: str = "ndcg@10") -> list[float]:
+    """after - before for each query both runs scored, in query-id order."""
+    return [after[q][metric] - before[q][metric] for q in sorted(set(before) & set(after))]
+
+
 def paired_comparison(before: dict[str, dict], after: dict[str, dict], metric: str = "ndcg@10") -> dict:
     """Per-query difference after - before on the queries both runs scored: mean, its standard error, and how
     many queries won, lost or tied. A drop is real when the mean is below zero by more than about two errors."""
-    import statistics
-
     common = sorted(set(before) & set(after))
-    deltas = [after[q][metric] - before[q][metric] for q in common]
+    deltas = per_query_deltas(before, after, metric)
     mean = statistics.fmean(deltas) if deltas else 0.0
     error = statistics.stdev(deltas) / len(deltas) ** 0.5 if len(deltas) > 1 else 0.0
     return {"metric": metric, "queries": len(common), "before": round(statistics.fmean(before[q][metric] for q in common), 4),

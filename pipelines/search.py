@@ -219,7 +219,7 @@ def search_explained(conn: psycopg.Connection, embedder: Embedder, query: str, k
     within = _within(conn, filters, predicate, params)
     statement = sql.SQL(HYBRID).format(vectors=vector_table(conn, model_key or embedder.model_key), filters=predicate)
     _prepare(conn, n)
-    pruned = within is None and not filters.narrows
+    pruned = not filters.narrows  # (a narrowing filter is searched chunk by chunk or exactly)
     rows = conn.execute(statement, {
         **params, "source_keys": list(visible.values()), "within": within,
         "live_at_as_of": _live_at(conn, filters.as_of),

@@ -105,6 +105,7 @@ def _load(env) -> Settings:
     if embedder not in EMBEDDERS:
         raise ConfigError(f"KB_EMBEDDER must be one of {', '.join(EMBEDDERS)}, not {embedder!r}")
     dims = env.get("KB_OPENAI_DIMENSIONS")
+    golden = env.get("KB_GOLDEN_SET", str(SAMPLES_DIR / "golden.jsonl"))  # set empty: no golden-set gate
     return Settings(
         home=home,
         home_origin=origin,
@@ -126,8 +127,7 @@ def _load(env) -> Settings:
         rerank_model=env.get("KB_RERANK_MODEL", ""),
         chat_model=env.get("KB_CHAT_MODEL") or None,
         chat_concurrency=int(env.get("KB_CHAT_CONCURRENCY", "4")),
-        golden_set=Path(env["KB_GOLDEN_SET"]) if env.get("KB_GOLDEN_SET") else (
-            None if "KB_GOLDEN_SET" in env else SAMPLES_DIR / "golden.jsonl"),
+        golden_set=Path(golden) if golden else None,
         golden_floor=float(env.get("KB_GOLDEN_FLOOR", "0.8")),
         config_path=_config_path(env),
         parse_workers=int(env.get("KB_PARSE_WORKERS", str(min(len(os.sched_getaffinity(0)), 4)))),
