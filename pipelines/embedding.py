@@ -58,12 +58,8 @@ def embed_pending(conn: psycopg.Connection, embedder: Embedder, source_ids: list
         report.counts["index_deferred"] = int(defer_index(conn, table, missing))
     while rows := conn.execute(query, {**params, "after": after}).fetchall():
         hashes = [r[0] for r in rows]
-        computed = embedder.embed([r[1] for r in rows])
-        bad = invalid_vectors(computed, len(rows), embedder.dimensions)
-        if len(bad) < len(rows):
-            keep = [i for i in range(len(rows)) if i not in bad]
-            store_vectors(conn, vectors, [hashes[i] for i in keep], computed[keep])
-        _fail_documents(conn, embedder.model_key, {hashes[i]: why for i, why in bad.items()}, report)
+        bad = _embed_and_store(conn, embedder, vectors, hashes, [r[1] for r in rows])
+        _fail_documents(conn, embedder.model_key, bad, report)
         report.counts["computed"] += len(rows) - len(bad)
         after = hashes[-1]
         progress.advance(len(rows))
@@ -132,9 +128,15 @@ def ensure_vectors(conn: psycopg.Connection, embedder: Embedder, texts: dict[str
     missing = [h for h in texts if h not in stored]
     if not missing:
         return set()
-    computed = embedder.embed([texts[h] for h in missing])
-    bad = invalid_vectors(computed, len(missing), embedder.dimensions)
-    keep = [i for i in range(len(missing)) if i not in bad]
+    return set(_embed_and_store(conn, embedder, sql.Identifier(table), missing, [texts[h] for h in missing]))
+
+
+def _embed_and_store(conn: psycopg.Connection, embedder: Embedder, vectors: sql.Identifier, hashes: list[str],
+                     texts: list[str]) -> dict[str, str]:
+    """Embed the texts and store the vectors that pass `invalid_vectors`; returns {hash: why} for the others."""
+    computed = embedder.embed(texts)
+    bad = invalid_vectors(computed, len(texts), embedder.dimensions)
+    keep = [i for i in range(len(texts)) if i not in bad]
     if keep:
-        store_vectors(conn, sql.Identifier(table), [missing[i] for i in keep], computed[keep])
-    return {missing[i] for i in bad}
+        store_vectors(conn, vectors, [hashes[i] for i in keep], computed[keep])
+    return {hashes[i]: why for i, why in bad.items()}
