@@ -27,7 +27,7 @@ reembed_job = dg.define_asset_job("reembed", selection=dg.AssetSelection.assets(
 
 
 def _declared(kb: KnowledgeBase) -> list:
-    from pipelines.sources import load_sources
+    from pipelines.sources.declarations import load_sources
 
     with kb.connect() as conn:
         return load_sources(conn)

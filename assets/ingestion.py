@@ -14,8 +14,8 @@ from assets.executors import model_pool
 from assets.metadata import report_metadata, statistics_metadata
 from assets.partitions import sources
 from assets.resources import KnowledgeBase
-from pipelines.chunking import CHUNKER_VERSION
-from pipelines.enrich import ENRICH_VERSION
+from pipelines.ingest.chunker import CHUNKER_VERSION
+from pipelines.ingest.enrich import ENRICH_VERSION
 
 INGESTION, EMBEDDINGS = "ingestion", "embeddings"
 OWNERS = ["team:search-platform"]
@@ -36,9 +36,9 @@ class CrawlConfig(dg.Config):
 def ingest_run(kb: KnowledgeBase, context: dg.AssetExecutionContext, allow_deletions: bool = False):
     """The partition's source under its advisory lock, as one `ingest_runs` row per Dagster run: the same runner,
     records and side effects as `kb ingest`."""
-    from pipelines.ingest import IngestRun
-    from pipelines.locks import source_locks
-    from pipelines.sources import get_source
+    from pipelines.ingest.run import IngestRun
+    from pipelines.sources.declarations import get_source
+    from pipelines.storage.locks import source_locks
 
     source_id = context.partition_key
     with kb.connect() as conn, source_locks(conn, [source_id]):
@@ -52,7 +52,7 @@ def ingest_run(kb: KnowledgeBase, context: dg.AssetExecutionContext, allow_delet
 def run_stage(context: dg.AssetExecutionContext, kb: KnowledgeBase, stage: str, asset: str,
               allow_deletions: bool = False):
     """(the stage's report, its metadata): counters, time, failures, and the rows the asset now holds."""
-    from pipelines.status import holdings
+    from pipelines.storage.status import holdings
 
     with ingest_run(kb, context, allow_deletions) as run:
         report = run.run_stage(stage)
@@ -113,8 +113,8 @@ GOLDEN = dg.AssetCheckSpec("golden_set_hit_rate", asset="published_chunks", bloc
 def published_chunks(context: dg.AssetExecutionContext, kb: KnowledgeBase) -> dg.MaterializeResult:
     """The searchable chunks: each document's new version swapped in atomically, replaced chunks kept as history;
     served only if the golden set holds."""
-    from pipelines.golden import GateFailed
-    from pipelines.status import ingest_statistics
+    from pipelines.ingest.golden import GateFailed
+    from pipelines.storage.status import ingest_statistics
 
     try:
         report, metadata = run_stage(context, kb, "publish", "published_chunks")
@@ -158,7 +158,7 @@ def qa_cards(context: dg.AssetExecutionContext, kb: KnowledgeBase) -> dg.Materia
 @dg.asset_check(asset=published_chunks, blocking=True)
 def every_live_chunk_is_searchable(kb: KnowledgeBase) -> dg.AssetCheckResult:
     """Each live chunk fits the model's input and has a vector for the current model."""
-    from pipelines.checks import unsearchable_chunks
+    from pipelines.ingest.checks import unsearchable_chunks
 
     with kb.connect() as conn:
         problems = unsearchable_chunks(conn, kb.embedder)

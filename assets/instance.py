@@ -20,7 +20,7 @@ def storage_url(settings: Settings) -> str:
     """A SQLAlchemy URL (psycopg2, which dagster-postgres speaks) for the instance database on kb's server."""
     from urllib.parse import quote
 
-    from pipelines.database import database_url, ensure_database
+    from pipelines.storage.database import database_url, ensure_database
 
     kb_url = database_url(settings)
     kb_database = psycopg.conninfo.conninfo_to_dict(kb_url).get("dbname") or "postgres"

@@ -27,7 +27,7 @@ def _shard_op(shard: str) -> dg.OpDefinition:
     def embed_shard(context: dg.OpExecutionContext, kb: KnowledgeBase) -> None:
         """The missing vectors of texts whose hash starts with this hex digit (resumable: a re-run embeds only what
         is still missing)."""
-        from pipelines.embedding import embed_pending
+        from pipelines.ingest.embed import embed_pending
 
         with kb.connect() as conn:
             report = embed_pending(conn, kb.embedder, shards=[shard])
@@ -42,7 +42,7 @@ SHARD_OPS = [_shard_op(shard) for shard in SHARDS]
 @dg.op(ins={"shards": dg.In(dg.Nothing)}, out=dg.Out(dg.Nothing))
 def backfill_summary(context: dg.OpExecutionContext, kb: KnowledgeBase) -> None:
     """Checks that no shard left a text without a vector, and sums up what the shards did and where they ran."""
-    from pipelines.embedding import missing_by_shard
+    from pipelines.ingest.embed import missing_by_shard
 
     with kb.connect() as conn:
         missing = missing_by_shard(conn, kb.embedder)
@@ -73,7 +73,7 @@ def model_backfill(published_chunks):
 @dg.asset(deps=[model_backfill], group_name=MAINTENANCE, kinds={"postgres"}, owners=OWNERS)
 def active_model(kb: KnowledgeBase) -> dg.MaterializeResult:
     """Search switches to the configured model in one transaction once all its vectors exist; the old index goes."""
-    from pipelines.vector_store import activate_if_complete
+    from pipelines.storage.vectors import activate_if_complete
 
     with kb.connect() as conn:
         switched = activate_if_complete(conn, kb.embedder.model_key)
@@ -90,8 +90,8 @@ def stale_documents(kb: KnowledgeBase) -> dg.MaterializeResult:
     KB_RETENTION_DAYS."""
     from datetime import timedelta
 
-    from pipelines.history import purge_history
-    from pipelines.staleness import sweep
+    from pipelines.sources.staleness import sweep
+    from pipelines.storage.history import purge_history
 
     with kb.connect() as conn:
         result = sweep(conn, timedelta(hours=kb.settings.freshness_hours))

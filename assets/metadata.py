@@ -3,7 +3,7 @@ markdown (a bar per value), which the UI renders everywhere without serving imag
 
 import dagster as dg
 
-from pipelines.report import StageReport
+from pipelines.ingest.report import StageReport
 
 BAR_WIDTH = 30
 

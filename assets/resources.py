@@ -22,7 +22,7 @@ class KnowledgeBase(dg.ConfigurableResource):
 
     @contextmanager
     def connect(self) -> Iterator[psycopg.Connection]:
-        from pipelines.database import connect
+        from pipelines.storage.database import connect
 
         with connect(self.settings) as conn:
             yield conn
@@ -36,6 +36,6 @@ class KnowledgeBase(dg.ConfigurableResource):
 
 @cache
 def _embedder(settings: Settings):
-    from pipelines.embedders import make_embedder
+    from pipelines.models.embedders import make_embedder
 
     return make_embedder(settings)

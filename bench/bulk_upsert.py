@@ -9,7 +9,7 @@ Write path (table with its primary key, no HNSW, so only the writing differs):
   - row loop, autocommit: one INSERT ... ON CONFLICT DO NOTHING per row, each its own transaction (what the
     seed designs and several peers do);
   - row loop, one transaction: the same statements committed once (the round trips alone);
-  - kb bulk: `pipelines.embedding.store_vectors`, COPY into a temp table and one merge per batch, one
+  - kb bulk: `pipelines.ingest.embed.store_vectors`, COPY into a temp table and one merge per batch, one
     transaction per batch, at the embed stage's batch size (256) and at 10,000 rows per batch.
 Searchable table (primary key + HNSW at the end, as search needs it): the row loop into the indexed table,
 against what kb's embed stage does for a big load: drop the index, bulk-write, build the index once.
@@ -41,10 +41,10 @@ def main() -> None:
     os.environ.setdefault("KB_HOME", "/tmp/kb-bench-bulk")
 
     from bench.synthetic import unit_vectors
-    from pipelines.database import connect, database_url, ensure_database
-    from pipelines.embedding import store_vectors
+    from pipelines.ingest.embed import store_vectors
     from pipelines.settings import load_settings
-    from pipelines.vector_store import defer_index, ensure_index, ensure_vector_store
+    from pipelines.storage.database import connect, database_url, ensure_database
+    from pipelines.storage.vectors import defer_index, ensure_index, ensure_vector_store
 
     settings = load_settings()
     url = database_url(settings)

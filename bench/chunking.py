@@ -16,9 +16,9 @@ import time
 import numpy as np
 
 from bench.report import print_table, write_results
-from pipelines.chunking import Chunker
-from pipelines.elements import Element
-from pipelines.tokens import local_counter
+from pipelines.ingest.chunker import Chunker
+from pipelines.ingest.elements import Element
+from pipelines.models.tokens import local_counter
 
 SENTENCE = "The cooling fan of drive number {n} must be replaced after thirty thousand operating hours."
 

@@ -20,8 +20,8 @@ import subprocess
 import sys
 import time
 from contextlib import contextmanager
-from typing import Iterator
 from pathlib import Path
+from typing import Iterator
 
 BIN = Path(sys.executable).parent
 SCIFACT = Path(__file__).resolve().parents[1].parent / "shared" / "datasets" / "scifact" / "corpus.jsonl"
@@ -89,7 +89,7 @@ def prepare_base(server: str, records: int, home: Path) -> dict:
     """The base database: samples + a SciFact slice declared and ingested by `kb dagster ingest` (once)."""
     import psycopg
 
-    from pipelines.database import ensure_database
+    from pipelines.storage.database import ensure_database
 
     url = ensure_database(server, BASE)
     env = {**os.environ, "DATABASE_URL": url}
@@ -115,7 +115,7 @@ def prepare_base(server: str, records: int, home: Path) -> dict:
 
 def noop_refresh(server: str) -> dict:
     """`kb dagster ingest` on the unchanged base, three times: wall time per run of one source, start-up included."""
-    from pipelines.database import ensure_database
+    from pipelines.storage.database import ensure_database
 
     env = {**os.environ, "DATABASE_URL": ensure_database(server, BASE)}
     times = [kb("dagster", "ingest", "samples", env=env)[0] for _ in range(3)]
@@ -163,8 +163,8 @@ def main() -> None:
     home.mkdir(parents=True, exist_ok=True)
     os.environ.setdefault("DAGSTER_HOME", str(home / "dagster"))
     from bench.report import print_table, write_results
-    from pipelines.database import database_url
     from pipelines.settings import load_settings
+    from pipelines.storage.database import database_url
 
     server = database_url(load_settings())  # holds the embedded server for the whole benchmark
     facts = prepare_base(server, args.records, home)

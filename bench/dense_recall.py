@@ -15,11 +15,11 @@ from pathlib import Path
 import numpy as np
 from psycopg import sql
 
-from pipelines.database import connect, database_url, ensure_database
-from pipelines.embedders import make_embedder
-from pipelines.search import EF_SEARCH, search
-from pipelines.vector_store import model_tables
+from pipelines.models.embedders import make_embedder
+from pipelines.retrieval.search import EF_SEARCH, search
 from pipelines.settings import load_settings
+from pipelines.storage.database import connect, database_url, ensure_database
+from pipelines.storage.vectors import model_tables
 
 
 def main(dbname: str, dataset: Path, queries: int = 200) -> None:

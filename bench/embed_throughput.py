@@ -18,8 +18,9 @@ from pathlib import Path
 import numpy as np
 
 from bench.report import print_table, write_results
-from pipelines.embedders import OnnxEmbedder, TorchEmbedder
-from pipelines.enrich import embed_text
+from pipelines.ingest.enrich import embed_text
+from pipelines.models.embedders import OnnxEmbedder, TorchEmbedder
+
 
 def timed(embedder, texts: list[str]) -> tuple[np.ndarray, float]:
     embedder.embed(texts[:16])  # load the model and warm up before the clock starts

@@ -29,8 +29,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 from hostile import good_records, make_hostile, tcp_to_database, without_root_capabilities  # noqa: E402
 
 from bench.report import write_results  # noqa: E402
-from pipelines.database import database_url, ensure_database  # noqa: E402
 from pipelines.settings import SAMPLES_DIR, load_settings  # noqa: E402
+from pipelines.storage.database import database_url, ensure_database  # noqa: E402
 
 KB = str(Path(sys.executable).parent / "kb")
 

@@ -26,12 +26,12 @@ import re
 from collections import defaultdict
 from pathlib import Path
 
-from pipelines.chunking import Chunker
-from pipelines.formats import FORMATS, format_of
-from pipelines.parse import parse_file
-from pipelines.query_class import is_quantity
+from pipelines.ingest.chunker import Chunker
+from pipelines.ingest.formats import FORMATS, format_of
+from pipelines.ingest.parse import parse_file
+from pipelines.models.tokens import local_counter
+from pipelines.retrieval.query_class import is_quantity
 from pipelines.settings import SAMPLES_DIR
-from pipelines.tokens import local_counter
 
 POSTGRES_MANUAL = Path("/usr/share/doc/postgresql-doc-15/html")
 POSTGRES_PAGES = ("errcodes-appendix.html", "runtime-config-replication.html", "runtime-config-wal.html",

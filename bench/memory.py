@@ -27,6 +27,7 @@ from fake_openai import FakeOpenAI  # noqa: E402  (tests/ is not a package)
 from bench.report import write_results  # noqa: E402
 from bench.synthetic import words  # noqa: E402
 
+
 def write_corpus(path: Path, documents: int) -> None:
     rng = np.random.default_rng(5)
     with path.open("w") as out:
@@ -40,8 +41,8 @@ def main() -> None:
     parser.add_argument("--documents", type=int, action="append", required=True)
     parser.add_argument("--home", type=Path, default=Path("/tmp/kb-bench-memory"))
     args = parser.parse_args()
-    from pipelines.database import database_url
     from pipelines.settings import load_settings
+    from pipelines.storage.database import database_url
 
     args.home.mkdir(parents=True, exist_ok=True)
     os.environ["KB_HOME"] = str(args.home)

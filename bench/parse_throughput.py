@@ -21,9 +21,9 @@ import time
 from pathlib import Path
 
 from bench.report import print_table, write_results
-from pipelines.parse import _parse_task, parse_file, warm_worker
+from pipelines.ingest.parse import _parse_task, parse_file, warm_worker
+from pipelines.ingest.workers import _stop_pool, isolated_map
 from pipelines.settings import Limits
-from pipelines.workers import _stop_pool, isolated_map
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "samples"))
 from generate import pdf_bytes  # noqa: E402  (samples/ is not a package)

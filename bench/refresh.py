@@ -35,11 +35,11 @@ def main() -> None:
     args = parser.parse_args()
     os.environ["KB_HOME"] = str(args.home)
 
-    from pipelines.database import connect
-    from pipelines.embedders import make_embedder
-    from pipelines.sources import add_source, declare
-    from pipelines.ingest import ingest
+    from pipelines.ingest.run import ingest
+    from pipelines.models.embedders import make_embedder
     from pipelines.settings import load_settings
+    from pipelines.sources.declarations import add_source, declare
+    from pipelines.storage.database import connect
 
     settings = load_settings()
     work = args.home / "bench-corpus.jsonl"

@@ -24,7 +24,7 @@ import numpy as np
 
 from bench.report import write_results
 from bench.synthetic import CLOSED_FROM, CODES
-from pipelines.search import Filters
+from pipelines.retrieval.search import Filters
 
 QUERIES = 200
 MODEL_KEY, DIMENSIONS = "bench:synthetic:384", 384  # as bench/synthetic.py builds it
@@ -47,7 +47,7 @@ class FixedVectors:
 def build_once(conn, size: int) -> dict:
     """Load `size` synthetic chunks and build the HNSW index, unless an earlier run did; returns build facts."""
     from bench.synthetic import build
-    from pipelines.vector_store import ensure_index
+    from pipelines.storage.vectors import ensure_index
 
     conn.execute("CREATE TABLE IF NOT EXISTS bench_build (facts jsonb NOT NULL)")
     if row := conn.execute("SELECT facts FROM bench_build").fetchone():
@@ -81,8 +81,8 @@ CALLERS = {
 
 def latencies(url: str, settings, vectors: np.ndarray, queries: list[str], filters_for=CALLERS[GROUP_CALLER]) -> list[float]:
     """Seconds per query for one client on its own connection."""
-    from pipelines.database import connect
-    from pipelines.search import search
+    from pipelines.retrieval.search import search
+    from pipelines.storage.database import connect
 
     with connect(dataclasses.replace(settings, database_url=url)) as conn:
         embedder = FixedVectors(vectors)
@@ -100,8 +100,8 @@ RECALL_QUERIES = 50
 def recall_against_exact(url: str, settings, vectors: np.ndarray, queries: list[str], filters_for) -> float:
     """Share of the top-10 chunk ids that exact search (no posting budget, no chunk-by-chunk shortcut) also
     returns, over RECALL_QUERIES queries: what pruning and the filter paths cost in results."""
-    import pipelines.search as search_module
-    from pipelines.database import connect
+    import pipelines.retrieval.search as search_module
+    from pipelines.storage.database import connect
 
     with connect(dataclasses.replace(settings, database_url=url)) as conn:
         found = total = 0
@@ -125,7 +125,7 @@ def summary(seconds: list[float]) -> dict:
 
 def measure(url: str, settings, size: int) -> dict:
     from bench.synthetic import unit_vectors, words
-    from pipelines.database import connect
+    from pipelines.storage.database import connect
 
     with connect(dataclasses.replace(settings, database_url=url)) as conn:
         facts = build_once(conn, size)
@@ -157,8 +157,8 @@ def main() -> None:
     parser.add_argument("--build-only", action="store_true", help="build (or keep) each size's database, measure nothing")
     args = parser.parse_args()
     os.environ.setdefault("KB_HOME", "/tmp/kb-bench-search")
-    from pipelines.database import database_url, ensure_database
     from pipelines.settings import load_settings
+    from pipelines.storage.database import database_url, ensure_database
 
     settings = load_settings()
     results = []
@@ -171,7 +171,7 @@ def main() -> None:
                 admin.execute(f"DROP DATABASE IF EXISTS kb_bench_search_{size} WITH (FORCE)")
         url = ensure_database(server, f"kb_bench_search_{size}")
         if args.build_only:
-            from pipelines.database import connect
+            from pipelines.storage.database import connect
 
             with connect(dataclasses.replace(settings, database_url=url)) as conn:
                 print(build_once(conn, size), flush=True)

@@ -9,8 +9,8 @@ from __future__ import annotations
 import numpy as np
 import psycopg
 
-from pipelines import bulk
-from pipelines.vector_store import defer_index, ensure_vector_store
+from pipelines.storage import bulk
+from pipelines.storage.vectors import defer_index, ensure_vector_store
 
 MODEL_KEY, DIMENSIONS = "bench:synthetic:384", 384
 VOCABULARY = 30_000

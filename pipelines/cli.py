@@ -64,7 +64,7 @@ UNITS = {"extract": "file", "parse": "doc", "chunk": "doc", "enrich": "chunk", "
 def _progress_factory(enabled: bool):
     """Each stage as a bar with total, rate and ETA on a terminal; a line when it starts and one when it ends
     otherwise (logs, CI)."""
-    from pipelines.report import NO_PROGRESS, Progress
+    from pipelines.ingest.report import NO_PROGRESS, Progress
 
     class Bar(Progress):
         def __init__(self, stage: str):
@@ -105,10 +105,10 @@ def _progress_factory(enabled: bool):
 
 def _usage_problem(exc: Exception) -> str | None:
     """The one line to show when an error is the user's to fix (exit 2), else None."""
-    from pipelines.chat import ChatNotConfigured
-    from pipelines.database import DatabaseUnavailable
+    from pipelines.models.chat import ChatNotConfigured
     from pipelines.settings import ConfigError
-    from pipelines.sources import DeclarationError
+    from pipelines.sources.declarations import DeclarationError
+    from pipelines.storage.database import DatabaseUnavailable
 
     if isinstance(exc, (DeclarationError, ConfigError, DatabaseUnavailable, ChatNotConfigured)):
         return str(exc)
@@ -140,7 +140,7 @@ class _Commands(click.Group):
             if problem := _usage_problem(exc):
                 raise UserError(problem) from exc
             if isinstance(exc, psycopg.OperationalError):
-                from pipelines.database import describe_lost_connection
+                from pipelines.storage.database import describe_lost_connection
 
                 raise click.ClickException(describe_lost_connection(exc, load_settings())) from exc
             hint = "" if ctx.params.get("verbose") else " (--verbose shows the traceback)"
@@ -176,12 +176,13 @@ def ingest(paths, source_name, include, exclude, groups, allow_deletions, as_jso
     A PATH that is not a declared source yet is declared from this command (with its --include, --exclude and
     --group). A declared source is ingested exactly as declared: giving it another location, globs or groups
     here is refused; change a declaration with `kb source update` or in its config file."""
-    from pipelines.database import connect
-    from pipelines.embedders import make_embedder
-    from pipelines.golden import GateFailed
-    from pipelines.ingest import EXIT_FILE_FAILURES, EXIT_GATE_FAILED, ingest as run_ingest
-    from pipelines.locks import source_locks
-    from pipelines.sources import actor, get_source, load_sources, source_for_ingest
+    from pipelines.ingest.golden import GateFailed
+    from pipelines.ingest.run import EXIT_FILE_FAILURES, EXIT_GATE_FAILED
+    from pipelines.ingest.run import ingest as run_ingest
+    from pipelines.models.embedders import make_embedder
+    from pipelines.sources.declarations import actor, get_source, load_sources, source_for_ingest
+    from pipelines.storage.database import connect
+    from pipelines.storage.locks import source_locks
 
     if source_name and len(paths) > 1:
         raise click.UsageError("--source names one source: give one path with it")
@@ -221,8 +222,8 @@ def ingest(paths, source_name, include, exclude, groups, allow_deletions, as_jso
 @click.option("--json", "as_json", is_flag=True)
 def status(as_json) -> None:
     """Where the knowledge base is, its sources with document and chunk counts, failures and the last run."""
-    from pipelines.database import connect
-    from pipelines.status import knowledge_base_status
+    from pipelines.storage.database import connect
+    from pipelines.storage.status import knowledge_base_status
 
     settings = load_settings()
     with connect(settings) as conn:
@@ -269,9 +270,9 @@ def _readers(groups) -> str:
 def search(query, k, source_id, arm, mode, lexical_weight, k_overfetch, groups, as_of, diversity, freshness, no_rerank,
            no_exact_first, debug, as_json) -> None:
     """Hybrid search: dense vectors + BM25, fused with weighted Reciprocal Rank Fusion."""
-    from pipelines.database import connect
-    from pipelines.search import Filters
-    from pipelines.service import EmptyKnowledgeBase, run_search
+    from pipelines.retrieval.responses import EmptyKnowledgeBase, run_search
+    from pipelines.retrieval.search import Filters
+    from pipelines.storage.database import connect
 
     settings = load_settings()
     filters = Filters(source_id=source_id, groups=list(groups), as_of=as_of)
@@ -314,8 +315,8 @@ def _explained(chunk: dict) -> str:
 @click.option("--json", "as_json", is_flag=True)
 def history(document, as_json) -> None:
     """A document's versions (DOCUMENT is `path` or `source:path`): when, content hash, chunks added/closed/kept."""
-    from pipelines.database import connect
-    from pipelines.history import document_history
+    from pipelines.storage.database import connect
+    from pipelines.storage.history import document_history
 
     with connect(load_settings()) as conn:
         versions = document_history(conn, document)
@@ -332,9 +333,9 @@ def history(document, as_json) -> None:
 def sweep(freshness_hours, as_json) -> None:
     """Flag documents whose source was not crawled within the freshness window; purge old history if
     KB_RETENTION_DAYS is set."""
-    from pipelines.database import connect
-    from pipelines.history import purge_history
-    from pipelines.staleness import sweep as run_sweep
+    from pipelines.sources.staleness import sweep as run_sweep
+    from pipelines.storage.database import connect
+    from pipelines.storage.history import purge_history
 
     settings = load_settings()
     window = timedelta(hours=freshness_hours if freshness_hours is not None else settings.freshness_hours)
@@ -374,9 +375,14 @@ def evaluate(datasets, split, database_url, weights, misses, per_query_path, com
     """Ingest BEIR datasets through the real pipeline and report hit@1/5/10, MRR@10, nDCG@10, recall@100 per
     arm, per query kind where the queries carry one (identifier sets), and against an earlier run; with
     --answers, score grounded answers on the current knowledge base."""
-    from pipelines.evaluation import (METRICS, evaluate_answers, evaluate_dataset, latency_summary,
-                                      paired_comparison)
-    from pipelines.rerank import make_reranker
+    from pipelines.evaluation.evaluate import (
+        METRICS,
+        evaluate_answers,
+        evaluate_dataset,
+        latency_summary,
+        paired_comparison,
+    )
+    from pipelines.retrieval.rerank import make_reranker
 
     if not datasets and not answer_set:
         raise click.UsageError("give a BEIR dataset folder, or --answers FILE")
@@ -409,7 +415,7 @@ def evaluate(datasets, split, database_url, weights, misses, per_query_path, com
             lines += [f"  miss [{cfg}] {m['query_id']}: {m['query'][:80]}" for m in result.get("misses", [])]
         lines.append("")
     if answer_set:
-        from pipelines.database import connect
+        from pipelines.storage.database import connect
 
         with connect(settings) as conn:
             answers = report["answers"] = evaluate_answers(conn, settings, answer_set, list(groups), hyde=hyde,
@@ -421,7 +427,7 @@ def evaluate(datasets, split, database_url, weights, misses, per_query_path, com
         lines.append(f"  answered {answers['answers']['answered']}, holding the expected answer"
                      f" {answers['answers']['holding_expected']}, citations VALID {answers['answers']['citation_validity']}")
     if report_dir:
-        from pipelines.eval_report import write_report
+        from pipelines.evaluation.html_report import write_report
 
         lines.append(f"report: {write_report(report, report_dir)}")
     for name, data in report.items():  # the JSON keeps summaries, not every query
@@ -445,7 +451,7 @@ def serve(host, port, require_key) -> None:
 
     import uvicorn
 
-    from pipelines.api import create_app
+    from pipelines.serving.api import create_app
 
     if os.environ.get("KB_API_KEY"):
         raise UserError("KB_API_KEY is no longer read: create per-caller keys bound to groups with"
@@ -461,8 +467,8 @@ def serve(host, port, require_key) -> None:
 def cite(answer, groups, strict, as_json) -> None:
     """Validate an answer's citations. ANSWER is a JSON file (or - for stdin):
     {"claims": [{"text": ..., "citations": [chunk_id, ...]}], "retrieved": [chunk_id, ...]}."""
-    from pipelines.database import connect
-    from pipelines.service import EmptyKnowledgeBase, run_citation_check
+    from pipelines.retrieval.responses import EmptyKnowledgeBase, run_citation_check
+    from pipelines.storage.database import connect
 
     try:
         payload = json.load(answer)
@@ -499,10 +505,10 @@ def cite(answer, groups, strict, as_json) -> None:
 @click.option("--json", "as_json", is_flag=True)
 def ask(question, k, mode, source_id, groups, as_of, hyde, compress, no_rerank, as_json) -> None:
     """Answer from the documents, every sentence citing its sources (checked), or say it is not there."""
-    from pipelines.answer import answer_question
-    from pipelines.database import connect
-    from pipelines.search import Filters
-    from pipelines.service import EmptyKnowledgeBase
+    from pipelines.answers.answer import answer_question
+    from pipelines.retrieval.responses import EmptyKnowledgeBase
+    from pipelines.retrieval.search import Filters
+    from pipelines.storage.database import connect
 
     settings = load_settings()
     with connect(settings) as conn:
@@ -536,7 +542,7 @@ def _sync_dagster(conn) -> None:
 
     if not os.environ.get("DAGSTER_HOME"):
         return
-    from pipelines.sources import load_sources
+    from pipelines.sources.declarations import load_sources
 
     try:
         import dagster as dg
@@ -580,8 +586,8 @@ def _source_line(s) -> str:
 def source_add(name, path, include, exclude, groups, freshness_hours, refresh_cron, allow_outside_links,
                max_deletion_share, as_json):
     """Declare source NAME at PATH (a folder, or a .jsonl file of records)."""
-    from pipelines.database import connect
-    from pipelines.sources import actor, add_source, declare
+    from pipelines.sources.declarations import actor, add_source, declare
+    from pipelines.storage.database import connect
 
     with connect(load_settings()) as conn:
         declared = declare(name, path, include, exclude, groups or None, freshness_hours, refresh_cron,
@@ -596,8 +602,8 @@ def source_add(name, path, include, exclude, groups, freshness_hours, refresh_cr
 @click.option("--json", "as_json", is_flag=True)
 def source_list(as_json):
     """Every declared source and who may read it."""
-    from pipelines.database import connect
-    from pipelines.sources import load_sources
+    from pipelines.sources.declarations import load_sources
+    from pipelines.storage.database import connect
 
     with connect(load_settings()) as conn:
         declared = load_sources(conn)
@@ -609,8 +615,8 @@ def source_list(as_json):
 @click.option("--json", "as_json", is_flag=True)
 def source_show(name, as_json):
     """A source's declaration and its recent changes (who, when, what)."""
-    from pipelines.database import connect
-    from pipelines.sources import get_source, source_changes
+    from pipelines.sources.declarations import get_source, source_changes
+    from pipelines.storage.database import connect
 
     with connect(load_settings()) as conn:
         declared = get_source(conn, name)
@@ -645,8 +651,8 @@ def _changed_fields(before: dict, after: dict) -> str:
 def source_update(name, location, include, exclude, clear_globs, groups, public, freshness_hours, refresh_cron,
                   allow_outside_links, max_deletion_share, as_json):
     """Change a declared source. Only the options given change; the change is recorded."""
-    from pipelines.database import connect
-    from pipelines.sources import actor, update_source
+    from pipelines.sources.declarations import actor, update_source
+    from pipelines.storage.database import connect
 
     if public and groups:
         raise click.UsageError("--public and --group contradict each other")
@@ -673,8 +679,8 @@ def source_update(name, location, include, exclude, clear_globs, groups, public,
 @click.option("--json", "as_json", is_flag=True)
 def source_remove(name, as_json):
     """Stop serving a source: its documents are soft-deleted (history kept; `kb source add` brings it back)."""
-    from pipelines.database import connect
-    from pipelines.sources import actor, remove_source
+    from pipelines.sources.declarations import actor, remove_source
+    from pipelines.storage.database import connect
 
     with connect(load_settings()) as conn:
         deleted = remove_source(conn, name, actor("kb source remove"))
@@ -689,8 +695,8 @@ def source_remove(name, as_json):
 @click.option("--json", "as_json", is_flag=True)
 def source_apply(config, prune, as_json):
     """Make the declared sources match a config file (default: $KB_CONFIG, else ./kb.toml)."""
-    from pipelines.database import connect
-    from pipelines.sources import actor, apply_config
+    from pipelines.sources.declarations import actor, apply_config
+    from pipelines.storage.database import connect
 
     settings = load_settings()
     config = config or settings.config_path
@@ -719,7 +725,7 @@ def dagster_ingest(sources, as_json) -> None:
     runs, named `ingest`, show in the UI (`kb dagster dev`)."""
     from assets.partitions import sync_source_partitions
     from assets.runs import execute
-    from pipelines.sources import load_sources
+    from pipelines.sources.declarations import load_sources
 
     results = {}
     with _dagster_instance() as (conn, instance):
@@ -774,7 +780,7 @@ def _dagster_instance():
     import dagster as dg
 
     from assets.instance import prepare_instance
-    from pipelines.database import connect
+    from pipelines.storage.database import connect
 
     settings = load_settings()
     with connect(settings) as conn:
@@ -790,8 +796,8 @@ def dagster_dev() -> None:
     import subprocess
 
     from assets.instance import prepare_instance
-    from pipelines.database import connect
     from pipelines.settings import REPO_ROOT
+    from pipelines.storage.database import connect
 
     settings = load_settings()
     with connect(settings):
@@ -811,9 +817,9 @@ def keys() -> None:
 @click.option("--json", "as_json", is_flag=True)
 def keys_create(name, groups, as_json):
     """Create a key; it is printed once and cannot be shown again."""
-    from pipelines.access import create_key
-    from pipelines.database import connect
-    from pipelines.sources import actor
+    from pipelines.serving.access import create_key
+    from pipelines.sources.declarations import actor
+    from pipelines.storage.database import connect
 
     with connect(load_settings()) as conn:
         key, token = create_key(conn, name, groups, actor("kb keys create"))
@@ -826,8 +832,8 @@ def keys_create(name, groups, as_json):
 @click.option("--json", "as_json", is_flag=True)
 def keys_list(include_revoked, as_json):
     """Keys (never their secrets), their groups and who created them."""
-    from pipelines.access import list_keys
-    from pipelines.database import connect
+    from pipelines.serving.access import list_keys
+    from pipelines.storage.database import connect
 
     with connect(load_settings()) as conn:
         found = list_keys(conn, include_revoked)
@@ -843,8 +849,8 @@ def keys_list(include_revoked, as_json):
 @click.option("--json", "as_json", is_flag=True)
 def keys_revoke(name_or_id, as_json):
     """Revoke a key at once: requests with it get 401."""
-    from pipelines.access import revoke_key
-    from pipelines.database import connect
+    from pipelines.serving.access import revoke_key
+    from pipelines.storage.database import connect
 
     with connect(load_settings()) as conn:
         revoked = revoke_key(conn, name_or_id)

@@ -12,8 +12,8 @@ import psycopg
 import pytest
 from psycopg import sql
 
-from pipelines.database import connect, database_url
 from pipelines.settings import SAMPLES_DIR, Settings, load_settings
+from pipelines.storage.database import connect, database_url
 
 
 @pytest.fixture(scope="session")
@@ -56,7 +56,7 @@ def conn(settings):
 
 @pytest.fixture(scope="session")
 def embedder(server_url):
-    from pipelines.embedders import make_embedder
+    from pipelines.models.embedders import make_embedder
 
     return make_embedder(load_settings())  # the default: int8 ONNX, cached under KB_MODEL_CACHE
 

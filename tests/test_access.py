@@ -19,10 +19,10 @@ from fastapi.testclient import TestClient
 from assets.ingestion import ASSETS
 from assets.partitions import SOURCES
 from assets.resources import KnowledgeBase
-from pipelines.api import create_app
 from pipelines.cli import main
-from pipelines.search import Filters, search
-from pipelines.sources import get_source
+from pipelines.retrieval.search import Filters, search
+from pipelines.serving.api import create_app
+from pipelines.sources.declarations import get_source
 
 HR_SECRET = "Executive salary bands for the zebra programme are confidential: band E3 starts at 240,000 EUR."
 
@@ -81,7 +81,7 @@ def test_reingest_and_dagster_refresh_never_change_who_can_read_a_source(setting
 
 
 def get_source_of(settings, source_id):
-    from pipelines.database import connect
+    from pipelines.storage.database import connect
 
     with connect(settings) as conn:
         return get_source(conn, source_id)
@@ -139,7 +139,7 @@ def test_a_server_can_refuse_callers_without_a_key(restricted_kb):
 
 
 def test_citations_of_hidden_or_closed_chunks_look_like_unknown_chunks(restricted_kb, samples_copy):
-    from pipelines.database import connect
+    from pipelines.storage.database import connect
 
     with connect(restricted_kb) as conn:
         hidden = conn.execute("SELECT c.chunk_id FROM chunks c JOIN documents d USING (document_id)"
@@ -166,8 +166,8 @@ def test_a_callers_results_do_not_depend_on_documents_it_cannot_read(settings, s
                                                                     monkeypatch, posting_budget):
     """Membership, order and every score are identical with and without a restricted source present, including
     BM25 statistics, the common-term cut-off and candidate pruning (a tiny budget forces pruning)."""
-    import pipelines.search as search_module
-    from pipelines.database import connect
+    import pipelines.retrieval.search as search_module
+    from pipelines.storage.database import connect
 
     monkeypatch.setattr(search_module, "POSTING_BUDGET", posting_budget)
     (samples_copy / "ops" / "zebra.md").write_text(

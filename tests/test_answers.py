@@ -16,14 +16,14 @@ from click.testing import CliRunner
 from fake_openai import FakeOpenAI, scripted_chat
 from fastapi.testclient import TestClient
 
-from pipelines.answer import ABSTAIN_SIMILARITY, answer_question
+from pipelines.answers.answer import ABSTAIN_SIMILARITY, answer_question
 from pipelines.cli import main
-from pipelines.database import connect
-from pipelines.embedders import make_embedder
-from pipelines.ingest import ingest
-from pipelines.search import Filters, search
+from pipelines.ingest.run import ingest
+from pipelines.models.embedders import make_embedder
+from pipelines.retrieval.search import Filters, search
 from pipelines.settings import SAMPLES_DIR
-from pipelines.sources import add_source, declare
+from pipelines.sources.declarations import add_source, declare
+from pipelines.storage.database import connect
 
 POLICY = "handbook/leave-policy.md"
 
@@ -71,7 +71,7 @@ def test_faq_cards_come_offline_and_each_mode_reads_what_it_says(samples_kb, emb
 
 
 def test_chat_cards_are_cached_and_follow_their_chunks(samples_kb, settings, samples_copy, embedder):
-    from pipelines.cards import generate_cards
+    from pipelines.ingest.cards import generate_cards
 
     with FakeOpenAI(chat=scripted_chat()) as fake:
         chat = with_chat(settings, fake)
@@ -167,12 +167,12 @@ def test_hyde_and_compression_change_what_the_model_sees(samples_kb, settings):
 
 
 def test_answers_over_the_api_read_only_what_the_key_may_read(samples_kb, settings):
-    from pipelines.access import create_key
+    from pipelines.serving.access import create_key
 
     samples_kb.execute("UPDATE sources SET allowed_groups = '{hr}' WHERE source_id = 'samples'")
     _, token = create_key(samples_kb, "hr-bot", ["hr"], "tests")
     body = {"question": "How many weeks of paid leave does a primary caregiver get?"}
-    with TestClient(__import__("pipelines.api", fromlist=["create_app"]).create_app(settings)) as client:
+    with TestClient(__import__("pipelines.serving.api", fromlist=["create_app"]).create_app(settings)) as client:
         anonymous = client.post("/v1/knowledge/answer", json=body).json()
         allowed = client.post("/v1/knowledge/answer", json=body, headers={"X-API-Key": token}).json()
         assert client.post("/v1/knowledge/answer", json={**body, "groups": ["finance"]},
@@ -221,7 +221,7 @@ def test_a_run_killed_while_writing_cards_converges_to_a_clean_run(settings, sam
             resumed = cards(conn)
             conn.execute("DELETE FROM chunks WHERE kind = 'card'")
             conn.execute("TRUNCATE card_rounds, card_cache")
-            from pipelines.cards import generate_cards
+            from pipelines.ingest.cards import generate_cards
 
             generate_cards(conn, with_chat(settings, fake), [make_embedder(settings)], ["samples"])
             clean = cards(conn)

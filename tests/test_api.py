@@ -8,11 +8,11 @@ import time
 import pytest
 from fastapi.testclient import TestClient
 
-from pipelines.api import create_app
-from pipelines.sources import add_source, declare
-from pipelines.ingest import ingest
-from pipelines.embedders import make_embedder
+from pipelines.ingest.run import ingest
+from pipelines.models.embedders import make_embedder
+from pipelines.serving.api import create_app
 from pipelines.settings import SAMPLES_DIR, load_settings
+from pipelines.sources.declarations import add_source, declare
 
 
 @pytest.fixture
@@ -144,7 +144,7 @@ def test_api_docs_render_offline(settings, ingested):
 
 
 def test_console_reads_with_the_key_it_is_given(settings, conn, ingested):
-    from pipelines.access import create_key
+    from pipelines.serving.access import create_key
 
     add_source(conn, declare("faq", SAMPLES_DIR / "faq.jsonl", groups=["staff"]), "tests")
     ingest(conn, make_embedder(settings), settings, ["faq"])

@@ -25,8 +25,8 @@ from assets.ingestion import ASSETS
 from assets.partitions import SOURCES
 from assets.resources import KnowledgeBase
 from pipelines.cli import main
-from pipelines.database import connect
-from pipelines.workers import Lost, isolated_map
+from pipelines.ingest.workers import Lost, isolated_map
+from pipelines.storage.database import connect
 
 KB = str(Path(sys.executable).parent / "kb")
 
@@ -227,9 +227,9 @@ def test_per_file_limits_cost_the_file_and_keep_its_last_version(settings, sampl
 def test_every_chunk_fits_even_a_300_kb_token(settings, tmp_path):
     import base64
 
-    from pipelines.chunking import Chunker
-    from pipelines.elements import Element
-    from pipelines.tokens import local_counter
+    from pipelines.ingest.chunker import Chunker
+    from pipelines.ingest.elements import Element
+    from pipelines.models.tokens import local_counter
 
     blob = base64.b64encode(np.random.default_rng(3).bytes(225_000)).decode()
     chunks = Chunker(local_counter()).chunk([Element("NarrativeText", f"Key material: {blob} end.")], "Keys")
@@ -242,9 +242,9 @@ def test_every_chunk_fits_even_a_300_kb_token(settings, tmp_path):
 def test_invalid_vectors_are_refused_never_cached_and_repaired_later(conn, settings, tmp_path):
     from fake_openai import FakeOpenAI, openai_settings
 
-    from pipelines.embedders import make_embedder
-    from pipelines.ingest import ingest
-    from pipelines.sources import add_source, declare
+    from pipelines.ingest.run import ingest
+    from pipelines.models.embedders import make_embedder
+    from pipelines.sources.declarations import add_source, declare
 
     path = tmp_path / "notes.jsonl"
     write_jsonl(path, [{"_id": "good", "text": "Lions live in prides."}, {"_id": "doomed", "text": "Old text."}])

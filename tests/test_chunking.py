@@ -4,10 +4,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from pipelines.chunking import Chunker
-from pipelines.elements import Element
-from pipelines.enrich import context_title, embed_text
-from pipelines.tokens import local_counter
+from pipelines.ingest.chunker import Chunker
+from pipelines.ingest.elements import Element
+from pipelines.ingest.enrich import context_title, embed_text
+from pipelines.models.tokens import local_counter
 
 SENTENCE = "The cooling fan of drive number {n} must be replaced after thirty thousand operating hours of service."
 
@@ -105,7 +105,7 @@ def test_heading_without_body_keeps_its_text(chunker):
 
 
 class _Raw:
-    """The shape of an unstructured element, for pipelines.parse.to_elements."""
+    """The shape of an unstructured element, for pipelines.ingest.parse.to_elements."""
 
     def __init__(self, category: str, text: str, depth: int):
         from types import SimpleNamespace
@@ -132,7 +132,7 @@ TEXTS = st.one_of(st.text(min_size=1, max_size=2500),
        title=st.one_of(st.none(), st.text(max_size=200), TEXTS))
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 def test_any_text_and_structure_chunk_within_the_limit_and_lose_nothing(chunker, blocks, title):
-    from pipelines.parse import to_elements
+    from pipelines.ingest.parse import to_elements
 
     elements = to_elements([_Raw(*block) for block in blocks])
     chunks = chunker.chunk(elements, title)

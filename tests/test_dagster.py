@@ -11,7 +11,7 @@ from assets.ingestion import ASSETS
 from assets.partitions import SOURCES
 from assets.resources import KnowledgeBase
 from pipelines.settings import SAMPLES_DIR
-from pipelines.sources import add_source, declare
+from pipelines.sources.declarations import add_source, declare
 
 
 def declare_sources(conn, instance, **locations) -> None:

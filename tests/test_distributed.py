@@ -14,13 +14,14 @@ from pathlib import Path
 
 import pytest
 
-from bench.dagster_runs import dask_cluster as cluster, free_port
-from pipelines.embedders import TorchEmbedder
-from pipelines.embedding import missing_by_shard
-from pipelines.ingest import ingest
+from bench.dagster_runs import dask_cluster as cluster
+from bench.dagster_runs import free_port
+from pipelines.ingest.embed import missing_by_shard
+from pipelines.ingest.run import ingest
+from pipelines.models.embedders import TorchEmbedder
 from pipelines.settings import SAMPLES_DIR, load_settings
-from pipelines.sources import add_source, declare
-from pipelines.vector_store import active_model, table_name
+from pipelines.sources.declarations import add_source, declare
+from pipelines.storage.vectors import active_model, table_name
 
 BIN = Path(sys.executable).parent
 

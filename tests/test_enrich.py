@@ -1,7 +1,7 @@
 """Enrichment (embedded text, entities) and content hashing."""
 
-from pipelines.enrich import embed_text, extract_entities
-from pipelines.hashing import hash_bytes, hash_file, hash_text
+from pipelines.ingest.enrich import embed_text, extract_entities
+from pipelines.ingest.hashing import hash_bytes, hash_file, hash_text
 
 
 def test_entities_cover_codes_dates_emails_and_urls():

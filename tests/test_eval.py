@@ -7,7 +7,7 @@ import pytest
 from click.testing import CliRunner
 
 from pipelines.cli import main
-from pipelines.evaluation import document_run, score
+from pipelines.evaluation.evaluate import document_run, score
 from pipelines.settings import REPO_ROOT
 
 SCIFACT = REPO_ROOT.parent / "shared" / "datasets" / "scifact"

@@ -7,12 +7,12 @@ import numpy as np
 from click.testing import CliRunner
 
 from pipelines.cli import main
-from pipelines.sources import add_source, declare
-from pipelines.ingest import EXIT_FILE_FAILURES, ingest
-from pipelines.search import dense_search
+from pipelines.ingest.run import EXIT_FILE_FAILURES, ingest
+from pipelines.models.embedders import OnnxEmbedder
+from pipelines.retrieval.search import dense_search
 from pipelines.settings import SAMPLES_DIR, load_settings
-from pipelines.embedders import OnnxEmbedder
-from pipelines.vector_store import table_name
+from pipelines.sources.declarations import add_source, declare
+from pipelines.storage.vectors import table_name
 
 VECTORS = table_name(OnnxEmbedder.model_key)
 CONTENT_TABLES = ("documents", "elements", "chunks", "chunk_drafts", VECTORS)

@@ -4,8 +4,8 @@ import shutil
 
 import pytest
 
-from pipelines.migrations import migrate
 from pipelines.settings import SQL_DIR
+from pipelines.storage.migrations import migrate
 
 
 def test_migrations_are_recorded_and_a_second_run_applies_nothing(conn):

@@ -6,8 +6,8 @@ import json
 import numpy as np
 import pytest
 
-from pipelines import onnx_model
-from pipelines.embedders import OnnxEmbedder, TorchEmbedder, embedder_for, make_embedder
+from pipelines.models import onnx_model
+from pipelines.models.embedders import OnnxEmbedder, TorchEmbedder, embedder_for, make_embedder
 from pipelines.settings import REPO_ROOT, load_settings
 
 SCIFACT = REPO_ROOT.parent / "shared" / "datasets" / "scifact"

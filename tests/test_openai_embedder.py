@@ -7,10 +7,11 @@ import numpy as np
 import pytest
 from fake_openai import DIMENSIONS, FakeOpenAI, fake_vector, openai_settings
 
-from pipelines.embedders import OpenAIEmbedder, make_embedder
-from pipelines.sources import add_source, declare
-from pipelines.ingest import ingest
+from pipelines.ingest.run import ingest
+from pipelines.models.embedders import OpenAIEmbedder, make_embedder
 from pipelines.settings import SAMPLES_DIR
+from pipelines.sources.declarations import add_source, declare
+
 
 def test_batches_keep_input_order_and_vectors_are_normalised(settings):
     with FakeOpenAI() as fake:

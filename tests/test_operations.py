@@ -18,11 +18,11 @@ from assets.ingestion import ASSETS, published_chunks, source_documents
 from assets.maintenance import active_model, model_backfill, stale_documents
 from assets.partitions import SOURCES
 from assets.resources import KnowledgeBase
-from pipelines.golden import GateFailed
-from pipelines.ingest import ingest
-from pipelines.service import run_search
+from pipelines.ingest.golden import GateFailed
+from pipelines.ingest.run import ingest
+from pipelines.retrieval.responses import run_search
 from pipelines.settings import REPO_ROOT, SAMPLES_DIR, load_settings
-from pipelines.sources import add_source, declare
+from pipelines.sources.declarations import add_source, declare
 
 KB = str(Path(sys.executable).parent / "kb")
 POLICY = "handbook/leave-policy.md"

@@ -4,7 +4,7 @@ from pathlib import Path
 
 import pytest
 
-from pipelines.parse import ParseError, offline_spacy, parse_file
+from pipelines.ingest.parse import ParseError, offline_spacy, parse_file
 from pipelines.settings import SAMPLES_DIR
 
 DOCS = SAMPLES_DIR / "docs"
@@ -76,9 +76,9 @@ def test_process_pool_parses_like_one_process_and_still_records_failures(conn, t
     """Enough files for two workers: same elements as parsing in this process; a bad file fails alone."""
     import shutil
 
-    from pipelines.extract import extract
-    from pipelines.sources import add_source, declare, load_sources
-    from pipelines.parse import parse_pending
+    from pipelines.ingest.extract import extract
+    from pipelines.ingest.parse import parse_pending
+    from pipelines.sources.declarations import add_source, declare, load_sources
 
     folder = tmp_path / "many"
     shutil.copytree(DOCS, folder)

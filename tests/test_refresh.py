@@ -15,17 +15,18 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from pipelines import drafts, publish
-from pipelines.database import connect
-from pipelines.embedders import OnnxEmbedder
-from pipelines.sources import add_source, declare
-from pipelines.history import document_history, purge_history
-from pipelines.ingest import ingest
-from pipelines.locks import source_locks
-from pipelines.search import dense_search
+from pipelines.ingest import chunk as drafts
+from pipelines.ingest import publish
+from pipelines.ingest.run import ingest
+from pipelines.models.embedders import OnnxEmbedder
+from pipelines.retrieval.search import dense_search
 from pipelines.settings import load_settings
-from pipelines.staleness import sweep
-from pipelines.vector_store import active_model, model_tables, table_name
+from pipelines.sources.declarations import add_source, declare
+from pipelines.sources.staleness import sweep
+from pipelines.storage.database import connect
+from pipelines.storage.history import document_history, purge_history
+from pipelines.storage.locks import source_locks
+from pipelines.storage.vectors import active_model, model_tables, table_name
 
 POLICY = "handbook/leave-policy.md"
 VECTORS = table_name(OnnxEmbedder.model_key)
@@ -134,9 +135,10 @@ def test_chunker_version_bump_rechunks_from_stored_elements_without_parsing(conn
 
 def test_model_switch_builds_beside_the_serving_model_and_switches_atomically(conn, embedder, samples_copy, settings):
     from fake_openai import FakeOpenAI, openai_settings
-    from pipelines.embedders import OpenAIEmbedder
-    from pipelines.embedding import embed_pending
-    from pipelines.vector_store import activate_if_complete, ensure_vector_store
+
+    from pipelines.ingest.embed import embed_pending
+    from pipelines.models.embedders import OpenAIEmbedder
+    from pipelines.storage.vectors import activate_if_complete, ensure_vector_store
 
     run(conn, embedder, samples_copy)
     old_table = model_tables(conn)[embedder.model_key]

@@ -6,12 +6,12 @@ import numpy as np
 import pytest
 from fake_openai import FakeOpenAI, openai_settings
 
-from pipelines.sources import add_source, declare
-from pipelines.ingest import ingest
-from pipelines.rerank import CrossEncoderReranker, LLMReranker, freshness_boost, mmr
-from pipelines.search import search
+from pipelines.ingest.run import ingest
+from pipelines.models.tokens import local_model_dir
+from pipelines.retrieval.rerank import CrossEncoderReranker, LLMReranker, freshness_boost, mmr
+from pipelines.retrieval.search import search
 from pipelines.settings import SAMPLES_DIR, load_settings
-from pipelines.tokens import local_model_dir
+from pipelines.sources.declarations import add_source, declare
 
 
 @pytest.fixture
@@ -63,7 +63,7 @@ def test_freshness_boost_prefers_recent_documents(kb, embedder):
 
 
 def test_search_with_diversity_embeds_the_query_once(kb, embedder, settings, monkeypatch):
-    from pipelines import service
+    from pipelines.retrieval import responses as service
 
     calls = []
 

@@ -4,11 +4,11 @@ import math
 
 import pytest
 
-from pipelines.sources import add_source, declare
-from pipelines.ingest import ingest
-from pipelines.query_class import classify
-from pipelines.search import BM25_B, BM25_K1, RRF_K, TIE_SHARE, Filters, search, visible_sources
+from pipelines.ingest.run import ingest
+from pipelines.retrieval.query_class import classify
+from pipelines.retrieval.search import BM25_B, BM25_K1, RRF_K, TIE_SHARE, Filters, search, visible_sources
 from pipelines.settings import SAMPLES_DIR, load_settings
+from pipelines.sources.declarations import add_source, declare
 
 
 @pytest.fixture
@@ -179,7 +179,7 @@ def test_identifier_set_where_the_dense_arm_is_weak(conn, embedder, tmp_path):
 def test_lexical_pruning_bounds_the_work_and_keeps_scores_exact(kb, embedder, monkeypatch):
     """Beyond the posting budget only the rarest term nominates candidates (its best postings first); the other
     terms still complete each candidate's score, so every returned score is the exact BM25 score."""
-    import pipelines.search as search_module
+    import pipelines.retrieval.search as search_module
 
     query = "policy leave weeks approval manager"
     exact = {h.chunk_id: h.lexical_score for h in search(kb, embedder, query, 100, arm="lexical", k_overfetch=100)}
@@ -218,7 +218,7 @@ def test_a_chunk_holding_the_asked_code_is_never_below_one_without_it(kb, embedd
 def test_the_demo_question_ranks_primary_caregivers_first_for_a_reason(kb, embedder):
     """The two sections tie on fused score; the near-tie goes to the arms' own scores, where BM25 separates them
     ("primary" is in one of them) and the dense arm does not."""
-    from pipelines.search import search_explained
+    from pipelines.retrieval.search import search_explained
 
     query_class, hits = search_explained(kb, embedder, "How many weeks of paid leave does a primary caregiver get?", 3)
     assert hits[0].section_path[-1] == "Primary caregivers"
@@ -246,7 +246,7 @@ def test_a_one_document_source_keeps_its_lexical_arm(conn, embedder, tmp_path):
 
 def test_filtered_searches_are_exact_whichever_path_they_take(kb, embedder, monkeypatch):
     """A selective filter is searched chunk by chunk; the same filter over the indexes gives the same answer."""
-    import pipelines.search as search_module
+    import pipelines.retrieval.search as search_module
 
     filters = Filters(entities={"codes": ["F-204"]})
     first = [(h.chunk_id, h.score, h.lexical_score) for h in search(kb, embedder, "fault code meaning", 5, filters=filters)]
@@ -260,7 +260,7 @@ def test_as_of_reads_are_pruned_over_the_chunks_valid_then(kb, embedder, samples
     import time
     from datetime import datetime, timezone
 
-    import pipelines.search as search_module
+    import pipelines.retrieval.search as search_module
 
     before = datetime.now(timezone.utc)
     time.sleep(0.05)
@@ -287,7 +287,7 @@ def test_an_as_of_read_before_every_document_changed_reads_that_time_from_histor
     import time
     from datetime import datetime, timezone
 
-    import pipelines.search as search_module
+    import pipelines.retrieval.search as search_module
 
     folder = tmp_path / "notes"
     folder.mkdir()
@@ -328,7 +328,7 @@ def test_a_lexical_hit_without_a_vector_is_still_found(kb, embedder):
     answers on its words; it just has no dense score."""
     from psycopg import sql
 
-    from pipelines.vector_store import active_model, vector_table
+    from pipelines.storage.vectors import active_model, vector_table
 
     top = search(kb, embedder, "primary caregiver weeks of leave", 1, arm="lexical")[0]
     kb.execute(sql.SQL("DELETE FROM {} WHERE text_hash = (SELECT text_hash FROM chunks WHERE chunk_id = %s)")
@@ -336,8 +336,8 @@ def test_a_lexical_hit_without_a_vector_is_still_found(kb, embedder):
     again = search(kb, embedder, "primary caregiver weeks of leave", 5, arm="lexical")
     assert top.chunk_id in [h.chunk_id for h in again]
     assert next(h for h in again if h.chunk_id == top.chunk_id).dense_score is None
-    from pipelines.rerank import mmr
-    from pipelines.search import embed_query
+    from pipelines.retrieval.rerank import mmr
+    from pipelines.retrieval.search import embed_query
 
     vector = embed_query(embedder, "primary caregiver weeks of leave")
     assert top.chunk_id in [h.chunk_id for h in mmr(kb, active_model(kb), vector, again, 5, 0.5)]  # MMR keeps it

@@ -15,8 +15,8 @@ from assets.ingestion import ASSETS
 from assets.partitions import SOURCES
 from assets.resources import KnowledgeBase
 from pipelines.cli import main
-from pipelines.database import connect
 from pipelines.settings import SAMPLES_DIR
+from pipelines.storage.database import connect
 
 
 def kb(*args: str, expect: int = 0):

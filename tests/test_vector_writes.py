@@ -5,12 +5,12 @@ import psycopg
 import pytest
 from psycopg import sql
 
-from pipelines import vector_store
-from pipelines.embedding import embed_pending, store_vectors
-from pipelines.sources import add_source, declare
-from pipelines.ingest import ingest
+from pipelines.ingest.embed import embed_pending, store_vectors
+from pipelines.ingest.run import ingest
 from pipelines.settings import SAMPLES_DIR, load_settings
-from pipelines.vector_store import ensure_vector_store
+from pipelines.sources.declarations import add_source, declare
+from pipelines.storage import vectors as vector_store
+from pipelines.storage.vectors import ensure_vector_store
 
 
 def rows(conn, table: str) -> list:
@@ -68,7 +68,7 @@ def test_shards_starting_together_register_a_new_model_once(conn, settings):
     from concurrent.futures import ThreadPoolExecutor
     from threading import Barrier
 
-    from pipelines.database import connect
+    from pipelines.storage.database import connect
 
     start = Barrier(8)
 

@@ -1,0 +1,1 @@
+"""Answers: grounded answers over retrieved contexts, and the citation validator."""

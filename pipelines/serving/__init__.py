@@ -1,0 +1,1 @@
+"""Serving: the HTTP API, the search console, API keys and callers' groups."""

@@ -1,0 +1,254 @@
+"""The search API and console: `kb serve` runs this FastAPI app under uvicorn.
+
+GET /v1/knowledge/search?q=&k=&source_id=&mode=&debug=   (OpenAPI docs at /docs)
+GET /                                                      a search console for people
+
+Access is decided here, not by the caller: a request's key (`Authorization: Bearer <key>` or `X-API-Key: <key>`,
+created with `kb keys create`) carries the groups it may read; `groups=` can only narrow them. A request without a
+key reads public sources only (or is refused when the server runs with require_key). A wrong or revoked key is a
+401, never a fall-back to public.
+"""
+
+from __future__ import annotations
+
+from contextlib import asynccontextmanager
+from datetime import datetime
+from importlib import resources
+from importlib.metadata import version
+from pathlib import Path
+from typing import Literal
+
+from fastapi import Depends, FastAPI, HTTPException, Query, Request
+from fastapi.openapi.docs import get_swagger_ui_html
+from fastapi.responses import HTMLResponse, JSONResponse
+from fastapi.security import APIKeyHeader, HTTPAuthorizationCredentials, HTTPBearer
+from fastapi.staticfiles import StaticFiles
+from pydantic import BaseModel, Field
+
+from pipelines.retrieval.responses import EmptyKnowledgeBase, run_citation_check, run_search
+from pipelines.retrieval.search import Filters, visible_sources
+from pipelines.serving.access import AccessDenied, ApiKey, authenticate, caller_groups
+from pipelines.settings import Settings, load_settings
+
+CONSOLE = Path(__file__).parent / "console" / "index.html"
+KB_VERSION = version("kb")
+
+
+class Chunk(BaseModel):
+    chunk_id: int
+    content: str
+    source: str
+    document: str
+    title: str | None
+    section_path: list[str]
+    score: float
+    entities: dict
+    kind: str = Field("text", description="text, table, or card (a Q&A card: content is its answer).")
+    question: str | None = Field(None, description="A card's question.")
+    source_chunk_id: int | None = Field(None, description="A card's source chunk: what citations point at.")
+    dense_rank: int | None = Field(None, description="Rank in the dense arm (debug).")
+    dense_score: float | None = Field(None, description="Cosine similarity to the query (debug).")
+    lexical_rank: int | None = Field(None, description="Rank in the lexical (BM25) arm (debug).")
+    lexical_score: float | None = Field(None, description="BM25 score (debug).")
+    dense_rrf: float | None = Field(None, description="The dense arm's share of the fused score (debug).")
+    lexical_rrf: float | None = Field(None, description="The lexical arm's share of the fused score (debug).")
+    matched_terms: list[str] | None = Field(None, description="Query lexemes the chunk holds (debug).")
+    exact: list[str] | None = Field(None, description="Codes of the query the chunk holds (debug).")
+    tie_broken: bool | None = Field(None, description="Moved within a near-tie by the arms' own scores (debug).")
+    highlights: list[tuple[int, int]] | None = Field(None, description="Character spans of matched words (debug).")
+
+
+class Explanation(BaseModel):
+    kind: str = Field(description="How the classifier read the query: identifier, question or keywords.")
+    lexical_weight: float = Field(description="The lexical arm's RRF weight (the dense arm's is 1 minus it).")
+    reason: str
+    identifiers: list[str]
+    identifier_terms: list[str]
+    exact_first: bool
+    tie_share: float
+    rrf_k: int
+
+
+class SearchResponse(BaseModel):
+    query: str
+    k: int
+    source_id: str | None
+    mode: str
+    arm: str
+    chunks: list[Chunk]
+    explain: Explanation | None = None
+    note: str | None = Field(None, description="Why an as_of read found nothing, when the date is the reason.")
+
+
+def _text(value: str | None) -> str | None:
+    """Query text a database can hold: a NUL character is a client error (422), not a server error."""
+    if value is not None and "\x00" in value:
+        raise HTTPException(status_code=422, detail="parameters must not contain NUL characters")
+    return value
+
+
+class AnswerRequest(BaseModel):
+    question: str = Field(min_length=1, max_length=2000)
+    k: int = Field(5, ge=1, le=20, description="Contexts given to the answer.")
+    mode: Literal["chunks", "qa_first", "qa_only"] = "qa_first"
+    source_id: str | None = None
+    groups: list[str] | None = Field(None, description="Read as only these of the key's groups.")
+    as_of: datetime | None = None
+    hyde: bool = Field(False, description="Search with the embedding of a hypothetical answer (needs a chat model).")
+    compress: bool = Field(False, description="Keep only the context sentences that bear on the question.")
+
+
+class Claim(BaseModel):
+    text: str = Field(min_length=1)
+    citations: list[int]
+
+
+class CitationRequest(BaseModel):
+    claims: list[Claim]
+    retrieved: list[int] = Field(description="Chunk ids of the retrieval set the answer was written from.")
+    groups: list[str] | None = Field(None, description="Read as only these of the key's groups.")
+
+
+def create_app(settings: Settings | None = None, require_key: bool = False) -> FastAPI:
+    settings = settings or load_settings()
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        from psycopg_pool import ConnectionPool
+
+        from pipelines.storage.database import connect, database_url
+
+        with connect(settings):  # starts the embedded server if needed and migrates once
+            pass
+        with ConnectionPool(database_url(settings), min_size=1, max_size=8, kwargs={"autocommit": True},
+                            configure=_configure) as pool:
+            app.state.pool = pool
+            yield
+
+    app = FastAPI(title="kb search API", version=KB_VERSION, lifespan=lifespan, docs_url=None,
+                  description="Hybrid retrieval (pgvector + BM25, weighted RRF) over the kb knowledge base.")
+    # Swagger UI 5 (it renders OpenAPI 3.1, which FastAPI writes) from the fastapi-swagger package, not a CDN:
+    # /docs works with no network.
+    app.mount("/static/swagger", StaticFiles(directory=str(resources.files("fastapi_swagger") / "resources")),
+              name="swagger")
+    bearer, header = HTTPBearer(auto_error=False), APIKeyHeader(name="X-API-Key", auto_error=False)
+
+    def caller(request: Request, credentials: HTTPAuthorizationCredentials | None = Depends(bearer),
+               header_key: str | None = Depends(header)) -> ApiKey | None:
+        token = header_key or (credentials.credentials if credentials else None)
+        if token is None:
+            if require_key:
+                raise HTTPException(status_code=401, detail="this server requires an API key",
+                                    headers={"WWW-Authenticate": "Bearer"})
+            return None
+        with request.app.state.pool.connection() as conn:
+            key = authenticate(conn, token)
+        if key is None:
+            raise HTTPException(status_code=401, detail="invalid or revoked API key", headers={"WWW-Authenticate": "Bearer"})
+        return key
+
+    def groups_for(key: ApiKey | None, requested: list[str] | None) -> list[str]:
+        try:
+            return caller_groups(key, requested)
+        except AccessDenied as exc:
+            raise HTTPException(status_code=403, detail=str(exc)) from exc
+
+    @app.get("/v1/knowledge/search", response_model=SearchResponse, response_model_exclude_unset=True)
+    def knowledge_search(
+        request: Request,
+        key: ApiKey | None = Depends(caller),
+        q: str = Query(..., min_length=1, max_length=2000, description="The query text."),
+        k: int = Query(5, ge=1, le=20, description="How many chunks to return."),
+        source_id: str | None = Query(None, description="Only chunks from this source."),
+        mode: Literal["chunks", "qa_first", "qa_only"] = Query("chunks"),
+        arm: Literal["hybrid", "dense", "lexical"] = Query("hybrid", description="Both arms fused, or one alone."),
+        debug: bool = Query(False, description="Explain the ranking: the query's class and weight, each chunk's"
+                                               " rank, score and RRF share in each arm, matched terms."),
+        lexical_weight: float | None = Query(None, ge=0, le=1, description="RRF weight of the lexical arm"
+                                                                         " (default: the query classifier's)."),
+        as_of: datetime | None = Query(None, description="Search the knowledge base as it was at this time."),
+        exact_first: bool = Query(True, description="Chunks holding a code the query asks about come first."),
+        groups: str | None = Query(None, description="Comma-separated: read as only these of the key's groups."),
+        diversity: float = Query(0.0, ge=0, le=1, description="MMR diversity over the candidates (0: off)."),
+        freshness: float = Query(0.0, ge=0, le=10, description="Boost for recent documents (0: off)."),
+    ) -> dict:
+        _text(q), _text(source_id), _text(groups)
+        requested = None if groups is None else [g.strip() for g in groups.split(",") if g.strip()]
+        filters = Filters(source_id=source_id, groups=groups_for(key, requested), as_of=as_of)
+        with request.app.state.pool.connection() as conn:
+            try:
+                return run_search(conn, settings, q, k, arm=arm, lexical_weight=lexical_weight, filters=filters,
+                                  debug=debug, mode=mode, diversity=diversity, freshness=freshness,
+                                  exact_first=exact_first)
+            except EmptyKnowledgeBase as exc:
+                raise HTTPException(status_code=409, detail=str(exc)) from exc
+
+    @app.post("/v1/knowledge/answer")
+    def knowledge_answer(request: Request, body: AnswerRequest, key: ApiKey | None = Depends(caller)) -> dict:
+        """An answer whose every sentence cites its sources as [document, section], each citation checked (VALID,
+        WEAK; sentences with an INVALID citation are removed and listed), or "not found in the documents" with the
+        closest sources."""
+        from pipelines.answers.answer import answer_question
+        from pipelines.models.chat import ChatNotConfigured
+
+        _text(body.question), _text(body.source_id)
+        filters = Filters(source_id=body.source_id, groups=groups_for(key, body.groups), as_of=body.as_of)
+        with request.app.state.pool.connection() as conn:
+            try:
+                return answer_question(conn, settings, body.question, body.k, mode=body.mode, filters=filters,
+                                       hyde=body.hyde, compress=body.compress)
+            except EmptyKnowledgeBase as exc:
+                raise HTTPException(status_code=409, detail=str(exc)) from exc
+            except ChatNotConfigured as exc:
+                raise HTTPException(status_code=422, detail=str(exc)) from exc
+
+    @app.get("/v1/sources")
+    def readable_sources(request: Request, key: ApiKey | None = Depends(caller)) -> dict:
+        """The sources this caller may read (the console's source filter)."""
+        with request.app.state.pool.connection() as conn:
+            return {"sources": sorted(visible_sources(conn, groups_for(key, None)))}
+
+    @app.post("/v1/citations/validate")
+    def validate(request: Request, body: CitationRequest, key: ApiKey | None = Depends(caller)) -> dict:
+        """Each cited chunk: VALID (supports the claim), WEAK (retrieved, weak support) or INVALID (not retrieved,
+        or not a live chunk the caller may read)."""
+        groups = groups_for(key, body.groups)
+        with request.app.state.pool.connection() as conn:
+            try:
+                return run_citation_check(conn, settings, [c.model_dump() for c in body.claims], body.retrieved, groups)
+            except EmptyKnowledgeBase as exc:
+                raise HTTPException(status_code=409, detail=str(exc)) from exc
+
+    @app.get("/", response_class=HTMLResponse, include_in_schema=False)
+    def console() -> str:
+        return CONSOLE.read_text()
+
+    @app.get("/docs", include_in_schema=False)
+    def docs() -> HTMLResponse:
+        return get_swagger_ui_html(openapi_url=app.openapi_url, title=f"{app.title} - docs",
+                                   swagger_js_url="/static/swagger/swagger-ui-bundle.js",
+                                   swagger_css_url="/static/swagger/swagger-ui.css",
+                                   swagger_favicon_url="/static/swagger/favicon-32x32.png")
+
+    @app.get("/health")
+    def health(request: Request) -> JSONResponse:
+        """Liveness and readiness: the database answers and a model serves (503 otherwise)."""
+        from pipelines.storage.vectors import active_model
+
+        try:
+            with request.app.state.pool.connection(timeout=5) as conn:
+                model = active_model(conn)
+        except Exception as exc:  # any failure to reach the database is "not ready"
+            return JSONResponse({"status": "unavailable", "database": f"{type(exc).__name__}: {exc}",
+                                 "version": KB_VERSION}, status_code=503)
+        return JSONResponse({"status": "ok", "database": "ok", "model": model, "version": KB_VERSION})
+
+    return app
+
+
+def _configure(conn) -> None:
+    from pgvector.psycopg import register_vector
+    from psycopg.types.json import JsonbDumper
+
+    register_vector(conn)
+    conn.adapters.register_dumper(dict, JsonbDumper)

@@ -1,0 +1,1 @@
+"""Sources: declarations (kb.toml, `kb source ...`) with their audit trail, and staleness sweeps."""

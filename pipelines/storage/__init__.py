@@ -1,0 +1,1 @@
+"""PostgreSQL: connections and migrations, bulk writes, per-model vector tables, locks, history and status."""
