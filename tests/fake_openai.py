@@ -24,8 +24,11 @@ class FakeOpenAI:
     """Scripted failures first (status codes, or 'hang'), then correct answers; records what it saw."""
 
     def __init__(self, failures=(), delay_s: float = 0.0, chat_reply: str = "[]", dimensions: int = DIMENSIONS,
-                 zero_when=lambda text: False, chat=None):
+                 zero_when=lambda text: False, chat=None, hold_after: int | None = None):
         self.failures = list(failures)
+        # After this many chat prompts, later chat requests wait until the server stops: a client can then be
+        # killed mid-generation deterministically (`held` is set once one is waiting).
+        self.hold_after, self.held, self.release = hold_after, threading.Event(), threading.Event()
         self.chat = chat  # prompt -> reply, a scripted chat model (see scripted_chat); else chat_reply always
         self.zero_when = zero_when  # texts answered with an all-zero vector, as a broken endpoint does
         self.dimensions = dimensions
@@ -57,6 +60,11 @@ class FakeOpenAI:
                         prompt = body["messages"][-1]["content"]
                         with fake.lock:
                             fake.prompts.append(prompt)
+                            hold = fake.hold_after is not None and len(fake.prompts) > fake.hold_after
+                        if hold:
+                            fake.held.set()
+                            fake.release.wait(timeout=600)
+                            return
                         reply = fake.chat(prompt) if fake.chat else fake.chat_reply
                         payload = json.dumps({
                             "id": "chat-1", "object": "chat.completion", "created": 0, "model": body["model"],
@@ -100,6 +108,7 @@ class FakeOpenAI:
         return self
 
     def __exit__(self, *exc):
+        self.release.set()
         self.server.shutdown()
         self.server.server_close()
 

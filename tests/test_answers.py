@@ -204,19 +204,19 @@ def test_kb_eval_scores_the_bundled_answer_set(samples_kb, settings, monkeypatch
 
 def test_a_run_killed_while_writing_cards_converges_to_a_clean_run(settings, samples_copy, tmp_path):
     kb_bin = str(Path(sys.executable).parent / "kb")
-    with FakeOpenAI(chat=scripted_chat(), delay_s=0) as fake:
+    with FakeOpenAI(chat=scripted_chat(), hold_after=2) as fake:  # the third card call waits for the kill
         env = {**os.environ, "KB_CHAT_MODEL": "scripted-chat", "OPENAI_BASE_URL": fake.base_url,
                "OPENAI_API_KEY": "test-key", "KB_CHAT_CONCURRENCY": "1", "PYTHONUNBUFFERED": "1"}
         run = subprocess.Popen([kb_bin, "ingest", str(samples_copy), "--source", "samples"], env=env,
-                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-        for line in run.stderr:
-            if line.startswith("embed: "):
-                break
-        while len(fake.prompts) < 3:  # kill it among the card calls
-            pass
+                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        assert fake.held.wait(timeout=600), "the run never reached its third card call"
         run.send_signal(signal.SIGKILL)
-        run.wait()
-        assert subprocess.run([kb_bin, "ingest", "--source", "samples"], env=env, capture_output=True).returncode == 0
+        assert run.wait(timeout=60) == -signal.SIGKILL
+        with connect(settings) as conn:
+            killed = cards(conn)
+        fake.hold_after = None
+        assert subprocess.run([kb_bin, "ingest", "--source", "samples"], env=env, capture_output=True,
+                              timeout=600).returncode == 0
         with connect(settings) as conn:
             resumed = cards(conn)
             conn.execute("DELETE FROM chunks WHERE kind = 'card'")
@@ -226,4 +226,5 @@ def test_a_run_killed_while_writing_cards_converges_to_a_clean_run(settings, sam
             generate_cards(conn, with_chat(settings, fake), [make_embedder(settings)], ["samples"])
             clean = cards(conn)
     strip = lambda rows: sorted((locator, question, generator) for locator, question, generator, _ in rows)  # noqa: E731
+    assert len(killed) < len(clean)  # it was killed mid-generation: not every card was written
     assert strip(resumed) == strip(clean)

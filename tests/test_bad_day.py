@@ -10,6 +10,7 @@ import os
 import shutil
 import signal
 import subprocess
+import threading
 import sys
 import time
 import zipfile
@@ -182,20 +183,59 @@ def _die_on(value: int) -> int:
 
 
 def _allocate(megabytes: int) -> int:
+    """Holds `megabytes` resident; a task over the test's limit holds it until the watchdog kills its worker (no
+    race with the watchdog's interval, however busy the machine)."""
     block = bytearray(megabytes * 1_000_000)
     for i in range(0, len(block), 4096):  # touch every page: resident, not just reserved
         block[i] = 1
-    time.sleep(2)
+    if megabytes > 800:
+        threading.Event().wait()
     return len(block)
+
+
+def _hang(value: int) -> int:
+    """A task that never returns on 2, as a parser caught in a loop."""
+    if value == 2:
+        threading.Event().wait()
+    return value * 10
 
 
 def test_a_killed_or_bloated_worker_costs_its_task_only():
     results = list(isolated_map(_die_on, [1, 2, 3, 4, 5], workers=2, timeout_s=60, memory_mb=4000))
     assert results[:2] == [10, 20] and results[3:] == [40, 50]
     assert isinstance(results[2], Lost) and "killed by SIGKILL" in results[2].reason
-    bloated = list(isolated_map(_allocate, [1, 1500, 1], workers=2, timeout_s=60, memory_mb=800))
+    bloated = list(isolated_map(_allocate, [1, 1500, 1], workers=2, timeout_s=3600, memory_mb=800))
     assert bloated[0] == bloated[2] == 1_000_000
     assert isinstance(bloated[1], Lost) and "more than 800 MB" in bloated[1].reason
+
+
+def test_a_parse_past_its_time_limit_costs_its_file_only(conn, settings, samples_copy, monkeypatch):
+    """The time limit trips on a parser that never returns (deterministic, however busy the machine): that file
+    fails with the limit named, keeps its last good version, and the other files of its batch are parsed."""
+    import stuck
+
+    from pipelines.ingest import parse
+    from pipelines.ingest.run import ingest
+    from pipelines.models.embedders import make_embedder
+    from pipelines.settings import Limits
+    from pipelines.ingest.extract import extract
+    from pipelines.sources.declarations import add_source, declare, load_sources
+
+    assert list(isolated_map(_hang, [1, 2, 3], workers=2, timeout_s=1, memory_mb=4000))[::2] == [10, 30]
+    add_source(conn, declare("samples", samples_copy), "tests")
+    embedder = make_embedder(settings)
+    ingest(conn, embedder, settings, ["samples"])
+    before = live_texts(settings, "handbook/leave-policy.md")
+    for name in ("handbook/leave-policy.md", "ops/postgres-runbook.txt"):
+        path = samples_copy / name
+        path.write_text(path.read_text() + "\n\nA new closing paragraph.\n")
+    extract(conn, load_sources(conn, ["samples"]), settings.limits)
+    monkeypatch.setattr(parse, "_parse_task", stuck.parse_unless_stuck)  # hangs on leave-policy.md
+    report = parse.parse_pending(conn, ["samples"], workers=2, limits=Limits(parse_timeout_s=1))
+    assert [(f.locator, f.reason.split(": ", 1)[1]) for f in report.failures] == [
+        ("handbook/leave-policy.md", "parsing took longer than 1 s (KB_PARSE_TIMEOUT_S); its worker was stopped")]
+    assert report.counts["parsed"] == 1  # the runbook, in the same batch
+    assert live_texts(settings, "handbook/leave-policy.md") == before
 
 
 def test_per_file_limits_cost_the_file_and_keep_its_last_version(settings, samples_copy, monkeypatch):
@@ -204,21 +244,15 @@ def test_per_file_limits_cost_the_file_and_keep_its_last_version(settings, sampl
     (samples_copy / "big.md").write_text("# Big\n\n" + "word " * 500_000)  # 2.5 MB
     with zipfile.ZipFile(samples_copy / "bomb.docx", "w", zipfile.ZIP_DEFLATED) as bomb:
         bomb.writestr("word/document.xml", b"<w:t>" + b"0" * 30_000_000 + b"</w:t>")  # 30 KB that expands 1000x
-    rng = np.random.default_rng(5)
-    words = ["alpha", "beta", "gamma", "delta", "epsilon", "zeta", "theta", "kappa", "lambda", "sigma"]
-    (samples_copy / "slow.txt").write_text("\n\n".join(  # 1.8 MB of distinct short paragraphs: slow to partition
-        " ".join(rng.choice(words, 60)) + "." for _ in range(5000)))
     path = samples_copy / "handbook/leave-policy.md"
     path.write_text(path.read_text() + "\n\n## Appendix\n\n" + "Further leave details follow here. " * 400)
-    for name, value in {"KB_MAX_FILE_MB": "2", "KB_MAX_UNZIPPED_MB": "10", "KB_PARSE_TIMEOUT_S": "5",
-                        "KB_MAX_CHUNKS_PER_DOCUMENT": "9"}.items():
+    for name, value in {"KB_MAX_FILE_MB": "2", "KB_MAX_UNZIPPED_MB": "10", "KB_MAX_CHUNKS_PER_DOCUMENT": "9"}.items():
         monkeypatch.setenv(name, value)
     data = kb_json("ingest", "--source", "samples", expect=3)
     reasons = errors(data)
-    assert set(reasons) == {"big.md", "bomb.docx", "slow.txt", "handbook/leave-policy.md"}
+    assert set(reasons) == {"big.md", "bomb.docx", "handbook/leave-policy.md"}
     assert "over the 2 MB limit" in reasons["big.md"]
     assert "expands to 30 MB, over the 10 MB limit" in reasons["bomb.docx"]
-    assert "longer than 5 s" in reasons["slow.txt"]
     assert "over the limit of 9 per document" in reasons["handbook/leave-policy.md"]
     assert live_texts(settings, "handbook/leave-policy.md") == policy
     assert data["documents_published"] == 0 and data["documents_unchanged"] == 8

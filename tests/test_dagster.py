@@ -8,7 +8,7 @@ import dagster as dg
 from assets.automation import ingest_job, source_change_sensor
 from assets.definitions import defs
 from assets.ingestion import ASSETS
-from assets.partitions import SOURCES
+from assets.partitions import SOURCES, sources
 from assets.resources import KnowledgeBase
 from pipelines.settings import SAMPLES_DIR
 from pipelines.sources.declarations import add_source, declare
@@ -27,7 +27,7 @@ def test_definitions_load_with_the_stage_lineage():
     assert set(keys) <= set(graph.get_all_asset_keys())
     for upstream, downstream in zip(keys, keys[1:]):
         assert upstream in graph.get(downstream).parent_keys
-    assert defs.resolve_job_def(ingest_job.name) is not None
+    assert defs.resolve_job_def(ingest_job.name).partitions_def == sources
 
 
 def test_loading_definitions_imports_neither_torch_nor_unstructured():
