@@ -1,6 +1,7 @@
 """Jobs, and the automation that keeps each declared source fresh: its partition kept in step with the
-declarations, a refresh when its cron says so, and a refresh when its files change. (The daily staleness sweep
-is an automation condition on its asset.)
+declarations and a refresh when its cron says so, both running from the moment the code location loads (no
+click in the UI); a refresh when its files change, off by default (it walks every source folder each minute);
+and the daily staleness sweep, an automation condition on its asset evaluated by `kb_automation`.
 
 The per-source pieces are sensors rather than schedules because sources are declared at run time (kb.toml or
 `kb source add`), each with its own cron, and a new source must not need a code reload.
@@ -12,17 +13,16 @@ from datetime import datetime, timezone
 
 import dagster as dg
 
-from assets.executors import backfill_executor, refresh_executor
-from assets.ingestion import ASSETS
-from assets.maintenance import active_model, model_backfill
+from assets.ingestion import ingest_flow
+from assets.maintenance import active_model, model_backfill, stale_documents
 from assets.partitions import SOURCES, partition_changes, sources
 from assets.resources import KnowledgeBase
 
-ingest_job = dg.define_asset_job("ingest", selection=dg.AssetSelection.assets(*ASSETS), partitions_def=sources,
-                                 executor_def=refresh_executor(), tags={"kb/job": "refresh"},
+ingest_job = dg.define_asset_job("ingest", selection=dg.AssetSelection.assets(ingest_flow), partitions_def=sources,
+                                 tags={"kb/job": "refresh"},
                                  description="Crawl one source and bring its part of the knowledge base up to date.")
 reembed_job = dg.define_asset_job("reembed", selection=dg.AssetSelection.assets(model_backfill, active_model),
-                                  executor_def=backfill_executor(), tags={"kb/job": "backfill"},
+                                  tags={"kb/job": "backfill"},
                                   description="Build the configured model's vectors over 16 hash shards, then switch.")
 
 
@@ -55,7 +55,7 @@ def _refresh(source_id: str, run_key: str, reason: str) -> dg.RunRequest:
     return dg.RunRequest(partition_key=source_id, run_key=run_key, tags={"kb/source": source_id, "kb/reason": reason})
 
 
-@dg.sensor(job=ingest_job, minimum_interval_seconds=60, default_status=dg.DefaultSensorStatus.STOPPED)
+@dg.sensor(job=ingest_job, minimum_interval_seconds=60, default_status=dg.DefaultSensorStatus.RUNNING)
 def scheduled_refresh(context: dg.SensorEvaluationContext, kb: KnowledgeBase):
     """Requests a refresh of each source whose cron (its declared refresh_cron, else KB_REFRESH_CRON) fired since
     the last tick. The first tick only notes the time, so turning the sensor on does not refresh everything."""
@@ -106,4 +106,8 @@ def source_change_sensor(context: dg.SensorEvaluationContext, kb: KnowledgeBase)
     return requests
 
 
-SENSORS = [source_partitions, scheduled_refresh, source_change_sensor]
+# The staleness sweep's cron (an automation condition on stale_documents), evaluated without a click.
+kb_automation = dg.AutomationConditionSensorDefinition("kb_automation", target=dg.AssetSelection.assets(stale_documents),
+                                                       default_status=dg.DefaultSensorStatus.RUNNING)
+
+SENSORS = [source_partitions, scheduled_refresh, source_change_sensor, kb_automation]

@@ -1,18 +1,25 @@
 """The single place that builds kb's Dagster Definitions (code location `kb` in workspace.yaml)."""
 
+import os
+
 import dagster as dg
 
 from assets.automation import SENSORS, ingest_job, reembed_job
-from assets.ingestion import ASSETS, CHECKS
+from assets.executors import kb_executor
+from assets.ingestion import ingest_flow
 from assets.maintenance import MAINTENANCE_ASSETS
-from assets.resources import KnowledgeBase
+from assets.resources import SECRETS, SETTINGS, KnowledgeBase
+
+# Secrets reach the resource as environment variables Dagster resolves at run time, never as values in the
+# definitions or the launchpad; one that is not set is left to kb's own default.
+kb = KnowledgeBase(**{name: dg.EnvVar(SETTINGS[name]) for name in SECRETS if os.environ.get(SETTINGS[name])})
 
 defs = dg.Definitions(
-    assets=[*ASSETS, *MAINTENANCE_ASSETS],
-    asset_checks=CHECKS,
+    assets=[ingest_flow, *MAINTENANCE_ASSETS],
     jobs=[ingest_job, reembed_job],
     sensors=SENSORS,
-    resources={"kb": KnowledgeBase()},
+    resources={"kb": kb},
+    executor=kb_executor,
 )
 
 

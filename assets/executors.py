@@ -1,57 +1,45 @@
-"""Where a job's steps run.
+"""Where a run's steps execute, chosen per run in Dagster's own run config (the launchpad's `execution` block):
 
-A source's refresh is a short linear chain: it runs in process (no subprocess, no interpreter start-up per step).
-The model backfill fans out over its shards: over local processes by default. With KB_DASK_SCHEDULER set
-(tcp://host:8786), both run on a dask.distributed cluster through dagster-dask: any number of machines running
-`dask worker`, with the code location installed, sharing the PostgreSQL-backed Dagster instance and kb's
-database, take steps as they come (README: "Beyond one machine").
+    execution: {config: {in_process: {}}}                      # the default: one process, no start-up per step
+    execution: {config: {multiprocess: {max_concurrent: 2}}}   # a process per step on this machine
+    execution: {config: {dask: {address: tcp://host:8786}}}    # any number of machines running `dask worker`
+
+A source's refresh is one step (the whole flow under one lock, assets/ingestion.py), so in process is the fastest
+way to run it and the default everywhere: the UI, schedules, sensors and backfills. The model backfill's 16 shards
+also run in process by default: a local model already uses every core of one process, and each extra process
+would load it again (bench/README.md). dask spreads them over machines that share the PostgreSQL-backed instance
+and kb's database (README, "Beyond one machine").
 """
 
-import os
-
 import dagster as dg
+from dagster._core.definitions.executor_definition import (
+    _core_in_process_executor_creation,
+    _core_multiprocess_executor_creation,
+    multiple_process_executor_requirements,
+)
+
+IN_PROCESS = dg.Field(dg.Shape({}), is_required=False, description="Every step in the run's own process (default).")
+MULTIPROCESS = dg.Field({"max_concurrent": dg.Field(int, is_required=False, description="default: the cores")},
+                        is_required=False, description="A process per step on this machine.")
+DASK = dg.Field({"address": dg.Field(dg.StringSource, description="the dask scheduler, tcp://host:8786")},
+                is_required=False, description="Steps on a dask.distributed cluster (dagster-dask).")
 
 
-def _dask_address() -> str | None:
-    return os.environ.get("KB_DASK_SCHEDULER") or None
+def _requirements(config: dict):
+    return [] if "in_process" in config else multiple_process_executor_requirements()
 
 
-def _dask():
-    address = _dask_address()
-    if not address:
-        return None
-    from dagster_dask import dask_executor
+@dg.executor(name="kb", config_schema=dg.Field(dg.Selector({"in_process": IN_PROCESS, "multiprocess": MULTIPROCESS,
+                                                               "dask": DASK}),
+                                               default_value={"in_process": {}}),
+             requirements=_requirements)
+def kb_executor(init_context: dg.InitExecutorContext) -> dg.Executor:
+    """In process by default; multiprocess or dask when the run config asks for them."""
+    (kind, config), = init_context.executor_config.items()
+    if kind == "dask":
+        from dagster_dask.executor import DaskExecutor
 
-    return dask_executor.configured({"cluster": {"existing": {"address": address}}}, name="dask")
-
-
-def refresh_executor() -> dg.ExecutorDefinition:
-    return _dask() or dg.in_process_executor
-
-
-# A local model uses every core in one process, and a step's process start is mostly imports: on one machine the
-# backfill's shards run one at a time in processes forked from a server that imported the model's libraries once
-# (1,223 chunks int8 -> fp32 on 2 cores: 179.8 s with a fresh process per shard and two at a time, 71.4 s so;
-# bench/README.md). A remote model (openai) is network-bound: its shards run as many at a time as there are cores.
-LOCAL_MODEL_LIBRARIES = {"local": ["onnxruntime", "tokenizers"], "local-fp32": ["torch", "sentence_transformers"]}
-
-
-def backfill_executor() -> dg.ExecutorDefinition:
-    dask = _dask()
-    if dask:
-        return dask
-    libraries = LOCAL_MODEL_LIBRARIES.get(os.environ.get("KB_EMBEDDER", "local").lower())
-    if libraries is None:
-        return dg.multiprocess_executor
-    return dg.multiprocess_executor.configured(
-        {"max_concurrent": 1,
-         "start_method": {"forkserver": {"preload_modules": [*libraries, "assets.definitions"]}}},
-        name="multiprocess")
-
-
-def model_pool() -> str | None:
-    """The concurrency pool of steps that load the embedding model (at most one per slot, so that concurrent runs on
-    one machine do not each load a model). Not on dask: a run that carries pool information holds a Dagster
-    `@record`, which dask's argument packing tries to iterate, and the submission fails; there, each worker's thread
-    count is the limit."""
-    return None if _dask_address() else "embedding_model"
+        return DaskExecutor("existing", {"address": config["address"]})
+    if kind == "multiprocess":
+        return _core_multiprocess_executor_creation({"retries": {"enabled": {}}, **config})
+    return _core_in_process_executor_creation({"retries": {"enabled": {}}, "step_dependency_config": None})

@@ -1,19 +1,26 @@
-"""The Dagster instance kb runs on: its storage (runs, events, schedules) in PostgreSQL, in a database of its own on
-kb's server (`<kb's database>_dagster`; `kb_dagster` when kb uses the server's `postgres` database, as the embedded
-server does), so that any number of machines share one instance
-(dagster-postgres), and two knowledge bases on one server never share one."""
+"""The Dagster instance kb runs on: its storage (runs, events, schedules, sensor cursors, partitions) in PostgreSQL,
+in a database of its own on kb's server (`<kb's database>_dagster`; `kb_dagster` when kb uses the server's
+`postgres` database, as the embedded server does), so that any number of machines share one instance
+(dagster-postgres) and two knowledge bases on one server never share one.
+
+The repository's dagster.yaml names `KbStorage`, which finds that database the way kb finds its own: DATABASE_URL,
+else kb's embedded server under KB_HOME, started when needed. So the plain Dagster commands run from the
+repository root with no environment variable set (`dagster dev -w workspace.yaml`, `dagster asset materialize -m
+assets.definitions ...`; Dagster reads ./dagster.yaml when DAGSTER_HOME is unset) share one instance with `kb`,
+and each process that opens the instance keeps the embedded server up for as long as it runs.
+"""
 
 from __future__ import annotations
 
 import os
-import shutil
 from pathlib import Path
 
+import dagster as dg
 import psycopg
+from dagster._core.instance.ref import InstanceRef
+from dagster_postgres import DagsterPostgresStorage
 
-from pipelines.settings import REPO_ROOT, Settings
-
-STORAGE_ENV = "KB_DAGSTER_STORAGE_URL"
+from pipelines.settings import REPO_ROOT, Settings, load_settings
 
 
 def storage_url(settings: Settings) -> str:
@@ -34,14 +41,31 @@ def storage_url(settings: Settings) -> str:
     return f"postgresql+psycopg2://{user}{password}@{host}:{info.get('port') or 5432}/{info['dbname']}"
 
 
-def prepare_instance(settings: Settings) -> Path:
-    """DAGSTER_HOME (default KB_HOME/dagster) with kb's dagster.yaml, and the storage URL in the environment of
-    this process and of what it starts. Returns DAGSTER_HOME."""
+class KbStorage(DagsterPostgresStorage):
+    """dagster-postgres storage in kb's PostgreSQL (`storage: custom: {module: assets.instance, class: KbStorage}`).
+    `postgres_url` overrides where, for an instance kept on another server."""
+
+    @classmethod
+    def config_type(cls):
+        return {"postgres_url": dg.Field(dg.StringSource, is_required=False,
+                                         description="default: a database beside kb's, on kb's server")}
+
+    @classmethod
+    def from_config_value(cls, inst_data, config_value) -> "KbStorage":
+        return cls(postgres_url=config_value.get("postgres_url") or storage_url(load_settings()), inst_data=inst_data)
+
+
+def dagster_home(settings: Settings) -> Path:
+    """DAGSTER_HOME, else KB_HOME/dagster (compute logs and local artifacts live there), holding kb's dagster.yaml:
+    kept current in KB_HOME/dagster, copied into a DAGSTER_HOME that has none, never over an operator's own."""
     home = Path(os.environ.get("DAGSTER_HOME") or settings.home / "dagster").resolve()
     home.mkdir(parents=True, exist_ok=True)
-    config = home / "dagster.yaml"
-    if not config.exists() or config.read_text() != (REPO_ROOT / "dagster.yaml").read_text():
-        shutil.copy(REPO_ROOT / "dagster.yaml", config)
-    os.environ["DAGSTER_HOME"] = str(home)
-    os.environ[STORAGE_ENV] = storage_url(settings)
+    config, ours = home / "dagster.yaml", (REPO_ROOT / "dagster.yaml").read_text()
+    if not config.exists() or (not os.environ.get("DAGSTER_HOME") and config.read_text() != ours):
+        config.write_text(ours)
     return home
+
+
+def open_instance(settings: Settings) -> dg.DagsterInstance:
+    """The instance `kb` commands use: the same one as the Dagster UI, daemon and workers."""
+    return dg.DagsterInstance.from_ref(InstanceRef.from_dir(str(dagster_home(settings))))

@@ -2,7 +2,7 @@
 
 `model_backfill` builds the configured model's vectors for every live chunk beside the serving ones. Its work is
 split into 16 shards of the text-hash space, each an op of its own, so that an executor spreads them over
-processes or, with a distributed executor, over machines (assets/executors.py). The shards are units of work, not
+processes or, with a distributed executor, over machines (assets/executors.py; in process by default). The shards are units of work, not
 data: the asset is one thing, built when all of them are done. They are static ops passing nothing but order
 (vectors go to PostgreSQL, never through an IO manager), which is what a distributed executor such as
 dagster-dask can schedule up front and what works with no storage shared between machines.
@@ -13,9 +13,9 @@ import socket
 
 import dagster as dg
 
-from assets.executors import model_pool
-from assets.ingestion import OWNERS, published_chunks, source_documents, table
+from assets.ingestion import OWNERS, PUBLISHED, table
 from assets.resources import KnowledgeBase
+from pipelines.ingest.flow import FLOW
 
 MAINTENANCE = "maintenance"
 SHARDS = list("0123456789abcdef")
@@ -23,7 +23,7 @@ SHARDS = list("0123456789abcdef")
 
 def _shard_op(shard: str) -> dg.OpDefinition:
     @dg.op(name=f"embed_shard_{shard}", ins={"after": dg.In(dg.Nothing)}, out=dg.Out(dg.Nothing),
-           pool=model_pool(), retry_policy=dg.RetryPolicy(max_retries=2, delay=10), tags={"kb/shard": shard})
+           retry_policy=dg.RetryPolicy(max_retries=2, delay=10), tags={"kb/shard": shard})
     def embed_shard(context: dg.OpExecutionContext, kb: KnowledgeBase) -> None:
         """The missing vectors of texts whose hash starts with this hex digit (resumable: a re-run embeds only what
         is still missing)."""
@@ -36,6 +36,7 @@ def _shard_op(shard: str) -> dg.OpDefinition:
     return embed_shard
 
 
+EXTRACTED = dg.AssetKey(FLOW[0].asset)
 SHARD_OPS = [_shard_op(shard) for shard in SHARDS]
 
 
@@ -62,7 +63,7 @@ def backfill_summary(context: dg.OpExecutionContext, kb: KnowledgeBase) -> None:
 
 
 @dg.graph_asset(group_name=MAINTENANCE, kinds={"onnx", "pgvector"}, owners=OWNERS,
-                ins={"published_chunks": dg.AssetIn(key=published_chunks.key, dagster_type=dg.Nothing,
+                ins={"published_chunks": dg.AssetIn(key=dg.AssetKey(PUBLISHED), dagster_type=dg.Nothing,
                                                     partition_mapping=dg.AllPartitionMapping())})
 def model_backfill(published_chunks):
     """Vectors of the configured model for every live chunk, built beside the serving ones in 16 shards that an
@@ -82,20 +83,17 @@ def active_model(kb: KnowledgeBase) -> dg.MaterializeResult:
     return dg.MaterializeResult(metadata={"model": kb.embedder.model_key})
 
 
-@dg.asset(deps=[dg.AssetDep(source_documents, partition_mapping=dg.AllPartitionMapping())], group_name=MAINTENANCE,
+@dg.asset(deps=[dg.AssetDep(EXTRACTED, partition_mapping=dg.AllPartitionMapping())], group_name=MAINTENANCE,
           kinds={"postgres"}, owners=OWNERS, metadata=table("documents"),
           automation_condition=dg.AutomationCondition.on_cron("30 5 * * *"))
 def stale_documents(kb: KnowledgeBase) -> dg.MaterializeResult:
     """Documents whose source was not crawled within its freshness window (daily, 05:30); purges old history if
     KB_RETENTION_DAYS."""
-    from datetime import timedelta
-
-    from pipelines.sources.staleness import sweep
-    from pipelines.storage.history import purge_history
+    from pipelines.sources.staleness import sweep_sources
 
     with kb.connect() as conn:
-        result = sweep(conn, timedelta(hours=kb.settings.freshness_hours))
-        purged = purge_history(conn, kb.settings.retention_days) if kb.settings.retention_days is not None else {}
+        result = sweep_sources(conn, kb.settings)
+        purged = result.get("retention", {})
     table = "\n".join(["| source | stale | last crawled |", "|---|---|---|"] + [
         f"| {s['source_id']} | {s['stale_documents']} | {s['last_crawled_at'].isoformat() if s['last_crawled_at'] else 'never'} |"
         for s in result["sources"]])

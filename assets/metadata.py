@@ -1,8 +1,13 @@
-"""Stage reports and ingest statistics as Dagster metadata: counters, time, failures, and small plots drawn as
-markdown (a bar per value), which the UI renders everywhere without serving images."""
+"""What the UI shows of a stage: its counters, time and failures, the rows its asset holds, and small plots drawn
+as markdown (a bar per value), which render everywhere without serving images. The same metadata goes with a
+materialization whichever entry point ran the stage (a Dagster run, or `kb ingest` recorded in the instance)."""
+
+from __future__ import annotations
 
 import dagster as dg
+import psycopg
 
+from pipelines.ingest.flow import Stage
 from pipelines.ingest.report import StageReport
 
 BAR_WIDTH = 30
@@ -14,6 +19,31 @@ def report_metadata(report: StageReport) -> dict:
     if report.failures:
         metadata["failures"] = dg.MetadataValue.md("\n".join(f"- `{f.source_id}:{f.locator}`: {f.reason}" for f in report.failures))
     return metadata
+
+
+def stage_metadata(conn: psycopg.Connection, stage: Stage, report: StageReport, source_ids: list[str],
+                   embedder) -> dict:
+    """A stage's materialization metadata: counters, time, failures, the rows its asset holds for these sources
+    (dagster/row_count), the model for the embed stage, and for the gated stage the gate and the statistics."""
+    from pipelines.storage.status import ingest_statistics
+
+    held = sum(conn.execute(stage.holds, {"id": source_id}).fetchone()[0] for source_id in source_ids)
+    metadata = {**report_metadata(report), "dagster/row_count": dg.MetadataValue.int(held),
+                "sources": dg.MetadataValue.text(", ".join(source_ids))}
+    if stage.name == "embed":
+        metadata["model"] = dg.MetadataValue.text(embedder.model_key)
+    if stage.gated:
+        metadata.update(statistics_metadata(ingest_statistics(conn, source_ids)))
+        if report.notes.get("gate"):
+            metadata.update({f"gate {k}": v for k, v in gate_metadata(report.notes["gate"]).items()})
+    return metadata
+
+
+def gate_metadata(gate: dict) -> dict:
+    return {"hit@5": dg.MetadataValue.float(gate["hit_rate"] if gate["hit_rate"] is not None else float("nan")),
+            "queries": dg.MetadataValue.int(gate["queries"]), "floor": dg.MetadataValue.float(gate["floor"]),
+            "misses": dg.MetadataValue.md("\n".join(f"- {m['query']} -> {m['document']}" for m in gate["misses"])
+                                          or "none")}
 
 
 def bars(counts: dict, label: str) -> str:

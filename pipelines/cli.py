@@ -177,12 +177,10 @@ def ingest(paths, source_name, include, exclude, groups, allow_deletions, as_jso
     --group). A declared source is ingested exactly as declared: giving it another location, globs or groups
     here is refused; change a declaration with `kb source update` or in its config file."""
     from pipelines.ingest.golden import GateFailed
-    from pipelines.ingest.run import EXIT_FILE_FAILURES, EXIT_GATE_FAILED
-    from pipelines.ingest.run import ingest as run_ingest
+    from pipelines.ingest.run import EXIT_FILE_FAILURES, EXIT_GATE_FAILED, IngestRun
     from pipelines.models.embedders import make_embedder
     from pipelines.sources.declarations import actor, get_source, load_sources, source_for_ingest
     from pipelines.storage.database import connect
-    from pipelines.storage.locks import source_locks
 
     if source_name and len(paths) > 1:
         raise click.UsageError("--source names one source: give one path with it")
@@ -193,7 +191,12 @@ def ingest(paths, source_name, include, exclude, groups, allow_deletions, as_jso
     with connect(settings) as conn:
         if paths:
             who = actor("kb ingest")
-            source_ids = [source_for_ingest(conn, p, source_name, include, exclude, groups or None, who) for p in paths]
+            source_ids = []
+            for path in paths:
+                declared, new = source_for_ingest(conn, path, source_name, include, exclude, groups or None, who)
+                if new:
+                    click.echo(f"declared source {_source_line(declared)}", err=True)
+                source_ids.append(declared.source_id)
         elif source_name:
             if get_source(conn, source_name) is None:
                 raise UserError(f"no source {source_name!r} is declared; see `kb source list`")
@@ -202,13 +205,16 @@ def ingest(paths, source_name, include, exclude, groups, allow_deletions, as_jso
             source_ids = [s.source_id for s in load_sources(conn)]
             if not source_ids:
                 raise click.UsageError("no source is declared: `kb ingest PATH`, `kb source add` or `kb source apply`")
-        with source_locks(conn, source_ids):
-            try:
-                summary = run_ingest(conn, make_embedder(settings), settings, source_ids,
-                                     progress=_progress_factory(not as_json), allow_deletions=allow_deletions)
-            except GateFailed as failed:
-                _emit({"error": str(failed), "gate": failed.gate}, as_json, f"not published: {failed}")
-                sys.exit(EXIT_GATE_FAILED)
+        embedder = make_embedder(settings)
+        try:
+            with IngestRun.open(conn, settings, embedder, source_ids, progress=_progress_factory(not as_json),
+                                allow_deletions=allow_deletions) as run:
+                summary = run.run_all()
+        except GateFailed as failed:
+            _record_in_dagster(conn, settings, run, embedder)
+            _emit({"error": str(failed), "gate": failed.gate}, as_json, f"not published: {failed}")
+            sys.exit(EXIT_GATE_FAILED)
+        _record_in_dagster(conn, settings, run, embedder)
     data = summary.as_dict()
     lines = [f"{k.replace('_', ' ')}: {v}" for k, v in data.items() if k not in ("errors", "elapsed_s")]
     lines.append("elapsed: " + ", ".join(f"{k} {v:.2f}s" for k, v in data["elapsed_s"].items()))
@@ -216,6 +222,19 @@ def ingest(paths, source_name, include, exclude, groups, allow_deletions, as_jso
     _emit(data, as_json, "\n".join(lines))
     if data["errors"]:
         sys.exit(EXIT_FILE_FAILURES)
+
+
+def _record_in_dagster(conn, settings, run, embedder) -> None:
+    """What the run materialized, recorded in the Dagster instance (the UI's partitions and catalog show it). The
+    knowledge base is up to date whatever happens here: a failure to record is a warning."""
+    try:
+        from assets.instance import open_instance
+        from assets.runs import record_materializations
+
+        with open_instance(settings) as instance:
+            record_materializations(instance, conn, run.summary(), run.source_ids, embedder, run.run_id)
+    except Exception as exc:  # noqa: BLE001 - the run is done; Dagster's view of it is secondary
+        click.echo(f"warning: could not record this run in Dagster: {exc}", err=True)
 
 
 @main.command()
@@ -538,20 +557,15 @@ def source() -> None:
 
 def _sync_dagster(conn) -> None:
     """Keep the Dagster instance's source partitions in step at once (its sensor does the same every minute)."""
-    import os
-
-    if not os.environ.get("DAGSTER_HOME"):
-        return
     from pipelines.sources.declarations import load_sources
 
     try:
-        import dagster as dg
-
+        from assets.instance import open_instance
         from assets.partitions import sync_source_partitions
 
-        with dg.DagsterInstance.get() as instance:
+        with open_instance(load_settings()) as instance:
             sync_source_partitions(instance, [s.source_id for s in load_sources(conn)])
-    except Exception as exc:  # the declaration is made; the sensor will catch up
+    except Exception as exc:  # noqa: BLE001 - the declaration is made; the sensor will catch up
         click.echo(f"warning: could not update Dagster's source partitions now: {exc}", err=True)
 
 
@@ -565,6 +579,7 @@ def _source_line(s) -> str:
               f"refresh '{s.refresh_cron}'" if s.refresh_cron else "",
               "follows links outside" if s.allow_outside_links else "",
               f"may delete {s.max_deletion_share:.0%} per crawl" if s.max_deletion_share != 0.5 else "",
+              f"golden set {s.golden_set}" if s.golden_set else "",
               f"declared in {s.declared_in}" if s.declared_in else ""]
     return (f"{s.source_id}: {s.kind} {s.location}; readable by {_readers(s.groups)}"
             + "".join(f"; {e}" for e in extras if e))
@@ -582,16 +597,18 @@ def _source_line(s) -> str:
 @click.option("--allow-outside-links", is_flag=True, help="Follow symlinks that lead outside the folder.")
 @click.option("--max-deletion-share", type=float, default=0.5, show_default=True,
               help="A crawl that would soft-delete more of the source's documents deletes none unless confirmed.")
+@click.option("--golden-set", type=click.Path(exists=True, dir_okay=False),
+              help="JSONL of {query, document} its refreshes must keep finding (default: no gate).")
 @click.option("--json", "as_json", is_flag=True)
 def source_add(name, path, include, exclude, groups, freshness_hours, refresh_cron, allow_outside_links,
-               max_deletion_share, as_json):
+               max_deletion_share, golden_set, as_json):
     """Declare source NAME at PATH (a folder, or a .jsonl file of records)."""
     from pipelines.sources.declarations import actor, add_source, declare
     from pipelines.storage.database import connect
 
     with connect(load_settings()) as conn:
         declared = declare(name, path, include, exclude, groups or None, freshness_hours, refresh_cron,
-                           allow_outside_links, max_deletion_share)
+                           allow_outside_links, max_deletion_share, golden_set=golden_set)
         written = add_source(conn, declared, actor("kb source add"))
         _sync_dagster(conn)
     _emit({**_source_dict(declared), "changed": written}, as_json,
@@ -647,9 +664,11 @@ def _changed_fields(before: dict, after: dict) -> str:
 @click.option("--refresh-cron")
 @click.option("--allow-outside-links/--no-allow-outside-links", default=None)
 @click.option("--max-deletion-share", type=float)
+@click.option("--golden-set", type=click.Path(exists=True, dir_okay=False),
+              help="The JSONL of {query, document} its refreshes must keep finding.")
 @click.option("--json", "as_json", is_flag=True)
 def source_update(name, location, include, exclude, clear_globs, groups, public, freshness_hours, refresh_cron,
-                  allow_outside_links, max_deletion_share, as_json):
+                  allow_outside_links, max_deletion_share, golden_set, as_json):
     """Change a declared source. Only the options given change; the change is recorded."""
     from pipelines.sources.declarations import actor, update_source
     from pipelines.storage.database import connect
@@ -657,7 +676,8 @@ def source_update(name, location, include, exclude, clear_globs, groups, public,
     if public and groups:
         raise click.UsageError("--public and --group contradict each other")
     changes = {"location": location, "freshness_hours": freshness_hours, "refresh_cron": refresh_cron,
-               "allow_outside_links": allow_outside_links, "max_deletion_share": max_deletion_share}
+               "allow_outside_links": allow_outside_links, "max_deletion_share": max_deletion_share,
+               "golden_set": golden_set}
     changes = {k: v for k, v in changes.items() if v is not None}
     if clear_globs:
         changes["include"], changes["exclude"] = (), ()
@@ -716,13 +736,21 @@ def dagster_group() -> None:
     """Run kb's Dagster jobs and UI on an instance kept in PostgreSQL (its own database beside kb's, kb_dagster on the embedded server)."""
 
 
+def _executor_config(dask: str | None) -> dict:
+    return {"execution": {"config": {"dask": {"address": dask}}}} if dask else {}
+
+
+DASK = click.option("--dask", metavar="ADDRESS", envvar="KB_DASK_SCHEDULER",
+                    help="Run the steps on this dask scheduler's workers (tcp://host:8786; default in process).")
+
+
 @dagster_group.command("ingest")
 @click.argument("sources", nargs=-1)
+@DASK
 @click.option("--json", "as_json", is_flag=True)
-def dagster_ingest(sources, as_json) -> None:
-    """Run the Dagster `ingest` job for these declared sources (default: all), one run per source through the
-    job's executor (in process; a dask cluster with KB_DASK_SCHEDULER), quietly; print each run's counters. The
-    runs, named `ingest`, show in the UI (`kb dagster dev`)."""
+def dagster_ingest(sources, dask, as_json) -> None:
+    """Run the Dagster `ingest` job for these declared sources (default: all), one run per source, quietly; print
+    each run's counters. The runs show in the UI under the `kb` code location, like runs launched there."""
     from assets.partitions import sync_source_partitions
     from assets.runs import execute
     from pipelines.sources.declarations import load_sources
@@ -735,7 +763,7 @@ def dagster_ingest(sources, as_json) -> None:
             raise UserError(f"not declared: {', '.join(unknown)}; see `kb source list`")
         sync_source_partitions(instance, declared)
         for source_id in sources or declared:
-            outcome = execute("ingest", instance, partition=source_id)
+            outcome = execute("ingest", instance, partition=source_id, run_config=_executor_config(dask))
             row = conn.execute("SELECT counters FROM ingest_runs WHERE external_run_id = %s",
                                 (outcome.run_id,)).fetchone()
             results[source_id] = {"run_id": outcome.run_id, "success": outcome.success, "failure": outcome.failure,
@@ -755,19 +783,21 @@ def dagster_ingest(sources, as_json) -> None:
 
 
 @dagster_group.command("reembed")
+@DASK
 @click.option("--json", "as_json", is_flag=True)
-def dagster_reembed(as_json) -> None:
-    """Run the Dagster `reembed` job: the configured model's vectors for every live chunk in 16 hash shards
-    (over local processes; over a dask cluster's workers with KB_DASK_SCHEDULER), then switch search to it."""
+def dagster_reembed(dask, as_json) -> None:
+    """Run the Dagster `reembed` job: the configured model's vectors for every live chunk in 16 hash shards (in
+    this process; over a dask cluster's workers with --dask), then switch search to it."""
     from assets.runs import execute
 
     with _dagster_instance() as (_, instance):
-        outcome = execute("reembed", instance)
+        outcome = execute("reembed", instance, run_config=_executor_config(dask))
     summary = outcome.outputs.get("model_backfill.backfill_summary", {})
     data = {"run_id": outcome.run_id, "success": outcome.success, "failure": outcome.failure, **summary}
     text = (f"reembed: run {outcome.run_id[:8]} " + ("succeeded" if outcome.success else "FAILED")
-            + (f": {summary['shards_done']} shards on {len(summary['workers'])} workers, {summary['computed']} vectors"
-               f" computed; search uses {summary['model']}" if summary else "")
+            + (f": {summary['shards_done']} shards in {len(summary['workers'])} worker process"
+               f"{'es' if len(summary['workers']) != 1 else ''}, {summary['computed']} vectors computed;"
+               f" search uses {summary['model']}" if summary else "")
             + (f"\n  {outcome.failure}" if outcome.failure else ""))
     _emit(data, as_json, text)
     if not outcome.success:
@@ -777,33 +807,30 @@ def dagster_reembed(as_json) -> None:
 @contextmanager
 def _dagster_instance():
     """kb's database (holding the embedded server while the runs last) and its Dagster instance."""
-    import dagster as dg
-
-    from assets.instance import prepare_instance
+    from assets.instance import open_instance
     from pipelines.storage.database import connect
 
     settings = load_settings()
-    with connect(settings) as conn:
-        prepare_instance(settings)
-        with dg.DagsterInstance.get() as instance:
-            yield conn, instance
+    with connect(settings) as conn, open_instance(settings) as instance:
+        yield conn, instance
 
 
 @dagster_group.command("dev")
-def dagster_dev() -> None:
-    """The Dagster UI and daemon (`dagster dev`) on kb's instance, holding the embedded server while they run."""
+@click.option("--host", default="127.0.0.1", show_default=True, help="Where the UI listens.")
+@click.option("--port", default=3000, show_default=True, type=click.IntRange(1, 65535))
+def dagster_dev(host, port) -> None:
+    """The Dagster UI and daemon (`dagster dev -w workspace.yaml`, the same as running it from the repository
+    root) on kb's instance, with DAGSTER_HOME in KB_HOME/dagster so that run logs outlive it."""
     import os
     import subprocess
 
-    from assets.instance import prepare_instance
+    from assets.instance import dagster_home
     from pipelines.settings import REPO_ROOT
-    from pipelines.storage.database import connect
 
-    settings = load_settings()
-    with connect(settings):
-        prepare_instance(settings)
-        sys.exit(subprocess.call([str(Path(sys.executable).parent / "dagster"), "dev", "-w",
-                                  str(REPO_ROOT / "workspace.yaml")], env=os.environ, cwd=REPO_ROOT))
+    home = dagster_home(load_settings())
+    command = [str(Path(sys.executable).parent / "dagster"), "dev", "-w", str(REPO_ROOT / "workspace.yaml"),
+               "--host", host, "--port", str(port)]
+    sys.exit(subprocess.call(command, env={**os.environ, "DAGSTER_HOME": str(home)}, cwd=REPO_ROOT))
 
 
 @main.group()

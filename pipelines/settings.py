@@ -46,7 +46,6 @@ class Settings:
     rerank_model: str = ""  # a local CrossEncoder path, or the chat model name for "llm"
     chat_model: str | None = None  # an OpenAI-compatible chat model: Q&A cards, answers, HyDE (None: offline rules)
     chat_concurrency: int = 4
-    golden_set: Path | None = SAMPLES_DIR / "golden.jsonl"  # None (KB_GOLDEN_SET empty): no gate
     golden_floor: float = 0.8  # a refresh whose golden hit@5 falls below this is not published
     config_path: Path | None = None  # the kb.toml that `kb source apply` reads by default
     parse_workers: int = 1  # processes that parse files in parallel
@@ -75,9 +74,11 @@ class ConfigError(ValueError):
     """A setting that cannot be used as given (a usage error, exit 2)."""
 
 
-def load_settings() -> Settings:
+def load_settings(overrides: dict[str, str] | None = None) -> Settings:
+    """Settings from the environment; `overrides` (variable name -> value) take precedence, as the Dagster
+    resource's fields do, so that every entry point parses and checks settings the same way."""
     try:
-        return _load(os.environ)
+        return _load({**os.environ, **(overrides or {})})
     except ConfigError:
         raise
     except ValueError as exc:  # a number that does not parse
@@ -105,7 +106,6 @@ def _load(env) -> Settings:
     if embedder not in EMBEDDERS:
         raise ConfigError(f"KB_EMBEDDER must be one of {', '.join(EMBEDDERS)}, not {embedder!r}")
     dims = env.get("KB_OPENAI_DIMENSIONS")
-    golden = env.get("KB_GOLDEN_SET", str(SAMPLES_DIR / "golden.jsonl"))  # set empty: no golden-set gate
     return Settings(
         home=home,
         home_origin=origin,
@@ -127,7 +127,6 @@ def _load(env) -> Settings:
         rerank_model=env.get("KB_RERANK_MODEL", ""),
         chat_model=env.get("KB_CHAT_MODEL") or None,
         chat_concurrency=int(env.get("KB_CHAT_CONCURRENCY", "4")),
-        golden_set=Path(golden) if golden else None,
         golden_floor=float(env.get("KB_GOLDEN_FLOOR", "0.8")),
         config_path=_config_path(env),
         parse_workers=int(env.get("KB_PARSE_WORKERS", str(min(len(os.sched_getaffinity(0)), 4)))),

@@ -16,7 +16,7 @@ import pytest
 from click.testing import CliRunner
 from fastapi.testclient import TestClient
 
-from assets.ingestion import ASSETS
+from assets.ingestion import ingest_flow
 from assets.partitions import SOURCES
 from assets.resources import KnowledgeBase
 from pipelines.cli import main
@@ -45,7 +45,7 @@ def hr_folder(tmp_path) -> Path:
 def materialize(instance, source_id: str) -> dg.ExecuteInJobResult:
     if source_id not in instance.get_dynamic_partitions(SOURCES):
         instance.add_dynamic_partitions(SOURCES, [source_id])
-    result = dg.materialize(ASSETS, resources={"kb": KnowledgeBase()}, instance=instance, partition_key=source_id)
+    result = dg.materialize([ingest_flow], resources={"kb": KnowledgeBase()}, instance=instance, partition_key=source_id)
     assert result.success
     return result
 

@@ -22,7 +22,7 @@ import psutil
 from click.testing import CliRunner
 from hostile import TEST_LIMITS, good_records, make_hostile, tcp_to_database, without_root_capabilities
 
-from assets.ingestion import ASSETS
+from assets.ingestion import ingest_flow
 from assets.partitions import SOURCES
 from assets.resources import KnowledgeBase
 from pipelines.cli import main
@@ -97,10 +97,10 @@ def test_an_unmounted_or_emptied_source_deletes_nothing_until_confirmed(settings
     assert len(live_texts(settings, "handbook/leave-policy.md")) == 8
 
     instance.add_dynamic_partitions(SOURCES, ["samples"])
-    refresh = dg.materialize(ASSETS, resources={"kb": KnowledgeBase()}, instance=instance, partition_key="samples")
+    refresh = dg.materialize([ingest_flow], resources={"kb": KnowledgeBase()}, instance=instance, partition_key="samples")
     assert refresh.success and len(live_texts(settings, "handbook/leave-policy.md")) == 8  # a refresh neither
-    confirmed = dg.materialize(ASSETS, resources={"kb": KnowledgeBase()}, instance=instance, partition_key="samples",
-                               run_config={"ops": {"source_documents": {"config": {"allow_deletions": True}}}})
+    confirmed = dg.materialize([ingest_flow], resources={"kb": KnowledgeBase()}, instance=instance, partition_key="samples",
+                               run_config={"ops": {"ingest_flow": {"config": {"allow_deletions": True}}}})
     assert confirmed.success and live_texts(settings, "handbook/leave-policy.md") == []
     assert failing() == {}
 

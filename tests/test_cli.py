@@ -92,7 +92,8 @@ def test_each_stage_reports_its_total_and_its_end_when_not_on_a_terminal(setting
     for stage in ("extract", "parse", "chunk", "enrich", "embed", "publish", "cards"):
         assert any(re.fullmatch(rf"{stage}: \d+ to do", line) for line in lines), (stage, lines)
         assert any(re.fullmatch(rf"{stage}: done, \d+ in \d+\.\d\d s", line) for line in lines), (stage, lines)
-    assert lines[:2] == ["extract: 2 to do", "extract: 3 more to do"]  # the folder's files, then the records
+    assert [line.split(":")[0] for line in lines[:2]] == ["declared source small", "declared source tickets"]
+    assert lines[2:4] == ["extract: 2 to do", "extract: 3 more to do"]  # the folder's files, then the records
     assert "extract: done, 5 in" in out.stderr
     assert "parse: 2 to do" in lines  # records need no parsing: they are read as text at extract
     embedded = next(int(m.group(1)) for line in lines if (m := re.fullmatch(r"embed: (\d+) to do", line)))

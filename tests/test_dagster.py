@@ -1,17 +1,27 @@
-"""The Dagster layer: definitions load without heavy imports, and the asset graph materializes in process."""
+"""The Dagster layer, as a Dagster user meets it: definitions that load without heavy imports, the plain Dagster
+commands on a fresh clone, automation that runs without a click, every run visible in the instance, and one run
+object that owns its lock, its gate and its finish whichever entry point starts it."""
 
+import json
+import os
 import subprocess
 import sys
+from datetime import datetime, timedelta, timezone
+from pathlib import Path
 
 import dagster as dg
 
-from assets.automation import ingest_job, source_change_sensor
+from assets.automation import SENSORS, ingest_job, kb_automation, scheduled_refresh, source_change_sensor
 from assets.definitions import defs
-from assets.ingestion import ASSETS
+from assets.ingestion import ingest_flow
 from assets.partitions import SOURCES, sources
 from assets.resources import KnowledgeBase
-from pipelines.settings import SAMPLES_DIR
+from pipelines.ingest.flow import FLOW
+from pipelines.settings import REPO_ROOT, SAMPLES_DIR
 from pipelines.sources.declarations import add_source, declare
+
+BIN = Path(sys.executable).parent
+STAGE_KEYS = [dg.AssetKey(stage.asset) for stage in FLOW]
 
 
 def declare_sources(conn, instance, **locations) -> None:
@@ -23,7 +33,7 @@ def declare_sources(conn, instance, **locations) -> None:
 
 def test_definitions_load_with_the_stage_lineage():
     graph = defs.resolve_asset_graph()
-    keys = [a.key for a in ASSETS]
+    keys = STAGE_KEYS
     assert set(keys) <= set(graph.get_all_asset_keys())
     for upstream, downstream in zip(keys, keys[1:]):
         assert upstream in graph.get(downstream).parent_keys
@@ -38,7 +48,7 @@ def test_loading_definitions_imports_neither_torch_nor_unstructured():
 
 def test_assets_materialize_in_process_and_report_metadata(conn, instance):
     declare_sources(conn, instance, samples=SAMPLES_DIR / "docs")
-    result = dg.materialize(ASSETS, resources={"kb": KnowledgeBase()}, instance=instance, partition_key="samples")
+    result = dg.materialize([ingest_flow], resources={"kb": KnowledgeBase()}, instance=instance, partition_key="samples")
     assert result.success
     meta = {e.asset_key.path[-1]: e.step_materialization_data.materialization.metadata
             for e in result.get_asset_materialization_events()}
@@ -48,7 +58,7 @@ def test_assets_materialize_in_process_and_report_metadata(conn, instance):
     assert meta["chunk_embeddings"]["computed"].value == meta["published_chunks"]["chunks_inserted"].value > 0
     assert "elapsed_s" in meta["published_chunks"]
 
-    rerun = dg.materialize(ASSETS, resources={"kb": KnowledgeBase()}, instance=instance, partition_key="samples")
+    rerun = dg.materialize([ingest_flow], resources={"kb": KnowledgeBase()}, instance=instance, partition_key="samples")
     again = {e.asset_key.path[-1]: e.step_materialization_data.materialization.metadata
              for e in rerun.get_asset_materialization_events()}
     assert again["source_documents"]["unchanged"].value == 9
@@ -72,3 +82,125 @@ def _cursor_after(requests) -> str:
     import json
 
     return json.dumps({r.partition_key: r.run_key.split(":", 1)[1] for r in requests}, sort_keys=True)
+
+
+def test_the_plain_dagster_commands_work_from_a_fresh_clone_with_no_kb_environment(tmp_path):
+    """No KB_*, DATABASE_URL or DAGSTER_HOME: Dagster reads ./dagster.yaml, whose storage finds kb's database the way
+    kb does (a per-user home here), starting the embedded server itself; the run's materializations are what kb
+    holds."""
+    env = {"PATH": os.environ["PATH"], "HOME": str(tmp_path), "LANG": "C.UTF-8"}
+
+    def run(*command: str) -> subprocess.CompletedProcess:
+        return subprocess.run(command, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=600)
+
+    applied = run(str(BIN / "kb"), "source", "apply", "samples/kb.toml")
+    assert applied.returncode == 0, applied.stderr
+    materialized = run(str(BIN / "dagster"), "asset", "materialize", "-m", "assets.definitions",
+                       "--select", "group:ingestion or group:embeddings", "--partition", "faq")
+    assert materialized.returncode == 0, materialized.stderr[-3000:]
+    status = json.loads(run(str(BIN / "kb"), "status", "--json").stdout)
+    faq = next(s for s in status["sources"] if s["source_id"] == "faq")
+    assert faq["documents"] == 4 and faq["chunks"] > 0 and status["last_run"]["started_by"] == "dagster"
+    assert status["home"]["found"] == "per-user default"
+    code = ("import dagster as dg; from assets.instance import open_instance; from pipelines.settings import"
+            " load_settings; i = open_instance(load_settings());"
+            " print(sorted(i.get_materialized_partitions(dg.AssetKey('qa_cards'))))")
+    assert run(sys.executable, "-c", code).stdout.strip() == "['faq']"
+
+
+def test_declared_crons_fire_without_a_click(conn, instance, tmp_path):
+    for sensor in (scheduled_refresh, kb_automation):
+        assert sensor.default_status == dg.DefaultSensorStatus.RUNNING, sensor.name
+    assert {s.name for s in SENSORS} >= {"source_partitions", "scheduled_refresh", "kb_automation"}
+    folder = tmp_path / "notes"
+    folder.mkdir()
+    (folder / "a.md").write_text("# A\n\nSome text.\n")
+    add_source(conn, declare("minutely", folder, refresh_cron="* * * * *"), "tests")
+    add_source(conn, declare("yearly", folder, refresh_cron="0 0 1 1 *"), "tests")
+    instance.add_dynamic_partitions(SOURCES, ["minutely", "yearly"])
+    two_minutes_ago = (datetime.now(timezone.utc) - timedelta(minutes=2)).isoformat()
+    context = dg.build_sensor_context(instance=instance, cursor=two_minutes_ago, resources={"kb": KnowledgeBase()})
+    assert [r.partition_key for r in scheduled_refresh(context)] == ["minutely"]
+
+
+def test_a_cli_run_is_visible_in_the_instance_with_the_assets_metadata(conn, instance, tmp_path):
+    folder = tmp_path / "notes"
+    folder.mkdir()
+    (folder / "a.md").write_text("# A\n\nThe okapi lives in the Ituri forest.\n")
+    out = subprocess.run([str(BIN / "kb"), "ingest", str(folder), "--source", "notes"], capture_output=True,
+                         text=True, env=os.environ.copy(), timeout=600)
+    assert out.returncode == 0, out.stderr
+    assert "declared source notes" in out.stderr  # kb ingest PATH says what it declared
+    for key in STAGE_KEYS:
+        assert instance.get_materialized_partitions(key) == {"notes"}, key
+    event = instance.get_latest_materialization_event(dg.AssetKey("published_chunks")).asset_materialization
+    assert event.partition == "notes" and event.metadata["dagster/row_count"].value == 1
+    assert event.metadata["documents"].value == 1 and "elapsed_s" in event.metadata
+
+
+def test_a_subset_materialization_finishes_its_run(conn, instance):
+    from pipelines.storage.vectors import active_model
+
+    declare_sources(conn, instance, faq=SAMPLES_DIR / "faq.jsonl")
+    for selection in (["source_documents"], ["qa_cards"], ["chunk_embeddings", "published_chunks"]):
+        result = dg.materialize([ingest_flow], selection=selection, resources={"kb": KnowledgeBase()},
+                                instance=instance, partition_key="faq")
+        assert result.success, selection
+        finished, counters = conn.execute("SELECT finished_at, counters FROM ingest_runs WHERE external_run_id = %s",
+                                          (result.run_id,)).fetchone()
+        assert finished is not None and counters["outcome"] == "succeeded", selection
+    assert active_model(conn) is not None  # the finish switched search to the (complete) configured model
+
+
+def test_the_run_holds_its_sources_locks_from_first_stage_to_finish(conn, settings, embedder):
+    import psycopg
+
+    from pipelines.ingest.flow import stage
+    from pipelines.ingest.run import IngestRun
+
+    add_source(conn, declare("faq", SAMPLES_DIR / "faq.jsonl"), "tests")
+
+    def free() -> bool:
+        with psycopg.connect(settings.database_url, autocommit=True) as other:
+            taken = other.execute("SELECT pg_try_advisory_lock(x'6b62'::int, hashtext('faq'))").fetchone()[0]
+            if taken:
+                other.execute("SELECT pg_advisory_unlock(x'6b62'::int, hashtext('faq'))")
+            return taken
+
+    with IngestRun.open(conn, settings, embedder, ["faq"]) as run:
+        run.run_stage(stage("extract"))
+        assert not free()  # between stages, no other run of the source can start
+        run.run_stage(stage("parse"))
+        assert not free()
+    assert free()
+
+
+def test_a_source_named_like_the_samples_is_not_held_to_their_golden_set(tmp_path):
+    """A company source that happens to be called `faq` declares no golden set: its refreshes are not checked
+    against the bundled samples' queries (they used to be, and were refused)."""
+    records = tmp_path / "faq.jsonl"
+    records.write_text(json.dumps({"_id": "vpn", "title": "VPN", "text": "Reset your VPN token in the portal."}) + "\n")
+    out = subprocess.run([str(BIN / "kb"), "ingest", str(records), "--source", "faq", "--json"],
+                         capture_output=True, text=True, env=os.environ.copy(), timeout=600)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert json.loads(out.stdout)["documents_published"] == 1
+
+
+def test_the_check_reads_the_serving_model_and_its_own_partition(conn, settings, embedder, tmp_path):
+    """During a model switch (another model being built, without vectors yet) a source's live chunks are still
+    searchable; a chunk without a vector in another source does not fail this one."""
+    from pipelines.ingest.checks import unsearchable_chunks
+    from pipelines.ingest.run import ingest
+    from pipelines.storage.vectors import ensure_vector_store, vector_table
+
+    add_source(conn, declare("faq", SAMPLES_DIR / "faq.jsonl"), "tests")
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "a.md").write_text("# A\n\nA sentence about zebras.\n")
+    add_source(conn, declare("other", other), "tests")
+    ingest(conn, embedder, settings)
+    ensure_vector_store(conn, "test:model-being-built:384", 384)  # a switch under way: nothing embedded yet
+    conn.execute(f"DELETE FROM {vector_table(conn, embedder.model_key).as_string(conn)} v USING chunks c"
+                 " JOIN documents d USING (document_id) WHERE d.source_id = 'other' AND c.text_hash = v.text_hash")
+    assert unsearchable_chunks(conn, 256, ["faq"]) == {"without_vector": 0, "over_token_limit": 0}
+    assert unsearchable_chunks(conn, 256, ["other"])["without_vector"] == 1

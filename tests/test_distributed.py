@@ -38,11 +38,10 @@ def deploy(settings, tmp_path, monkeypatch, dask_cluster) -> list[int]:
     """Every process (this one, `kb`, the scheduler and two workers) sees one environment, as machines of one
     deployment would: the database, the shared instance, the new model (torch fp32) and the cluster. Returns the
     workers' pids."""
-    from assets.instance import STORAGE_ENV, prepare_instance
+    from assets.instance import dagster_home
 
     monkeypatch.setenv("DAGSTER_HOME", str(tmp_path / "dagster"))
-    monkeypatch.setenv(STORAGE_ENV, "")
-    prepare_instance(settings)
+    dagster_home(settings)  # kb's dagster.yaml, as every machine of the deployment holds it
     monkeypatch.setenv("KB_EMBEDDER", "local-fp32")
     address, worker_pids = dask_cluster(workers=2)
     monkeypatch.setenv("KB_DASK_SCHEDULER", address)
@@ -80,10 +79,7 @@ def test_a_model_backfill_runs_its_shards_on_separate_dask_workers(conn, embedde
 
 
 def test_a_dask_scheduler_that_does_not_answer_fails_the_run_in_one_line(settings, tmp_path, monkeypatch):
-    from assets.instance import STORAGE_ENV
-
     monkeypatch.setenv("DAGSTER_HOME", str(tmp_path / "dagster"))
-    monkeypatch.setenv(STORAGE_ENV, "")
     monkeypatch.setenv("KB_DASK_SCHEDULER", f"tcp://127.0.0.1:{free_port()}")  # nothing listens there
     monkeypatch.setenv("DASK_DISTRIBUTED__COMM__TIMEOUTS__CONNECT", "2s")
     out = subprocess.run([str(BIN / "kb"), "dagster", "reembed"], capture_output=True, text=True,

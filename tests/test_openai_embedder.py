@@ -58,12 +58,12 @@ def test_concurrency_is_bounded(settings):
 def test_full_ingest_through_the_openai_path(conn, settings):
     with FakeOpenAI() as fake:
         openai = openai_settings(settings, fake)
-        add_source(conn, declare("faq", SAMPLES_DIR / "faq.jsonl"), "tests")
+        add_source(conn, declare("faq", SAMPLES_DIR / "faq.jsonl", golden_set=SAMPLES_DIR / "golden.jsonl"), "tests")
         counters = ingest(conn, make_embedder(openai), openai).counters()
     assert counters["documents_published"] == 4
     assert counters["embeddings_computed"] == counters["chunks_inserted"]
-    # Texts embedded: chunks, cards (the FAQ titles are questions), and the one golden query about faq, which the
-    # gate searches before the refresh is served.
+    # Texts embedded: chunks, cards (the FAQ titles are questions), and the one query about faq in its golden set,
+    # which the gate searches before the refresh is served.
     assert sum(fake.batches) == counters["chunks_inserted"] + counters["cards_written"] + 1
     assert counters["cards_written"] == 4
     assert conn.execute("SELECT vector_table FROM embedding_models").fetchone()[0] == "vectors_openai_fake_embed_8"

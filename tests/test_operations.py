@@ -14,10 +14,11 @@ import psycopg
 import pytest
 
 from assets.definitions import defs
-from assets.ingestion import ASSETS, published_chunks, source_documents
+from assets.ingestion import ingest_flow
 from assets.maintenance import active_model, model_backfill, stale_documents
 from assets.partitions import SOURCES
 from assets.resources import KnowledgeBase
+from pipelines.ingest.flow import FLOW
 from pipelines.ingest.golden import GateFailed
 from pipelines.ingest.run import ingest
 from pipelines.retrieval.responses import run_search
@@ -26,6 +27,8 @@ from pipelines.sources.declarations import add_source, declare
 
 KB = str(Path(sys.executable).parent / "kb")
 POLICY = "handbook/leave-policy.md"
+STAGE_KEYS = [dg.AssetKey(stage.asset) for stage in FLOW]
+SOURCE_DOCUMENTS, PUBLISHED = dg.AssetKey("source_documents"), dg.AssetKey("published_chunks")
 
 
 def kb(*args: str, cwd: Path | None = None, env: dict | None = None) -> subprocess.CompletedProcess:
@@ -63,7 +66,7 @@ def test_kb_dagster_ingest_runs_the_ingest_job_on_a_postgres_instance_and_prints
     assert again.returncode == 0 and "2 documents seen, 0 new, 0 changed" in again.stdout, again.stdout
 
     # The instance lives in its own database on kb's server: runs carry their job name and partition.
-    from assets.instance import storage_url
+    from assets.instance import open_instance
 
     instance_db = psycopg.conninfo.conninfo_to_dict(settings.database_url)
     instance_db["dbname"] += "_dagster"  # beside kb's database, as kb_dagster beside kb
@@ -73,22 +76,30 @@ def test_kb_dagster_ingest_runs_the_ingest_job_on_a_postgres_instance_and_prints
     assert not (settings.home / "dagster" / "history").exists()  # no SQLite run storage
 
     # After the no-op refresh, row counts are what the assets hold, not what the run did.
-    monkeypatch.setenv("DAGSTER_HOME", str(settings.home / "dagster"))
-    monkeypatch.setenv("KB_DAGSTER_STORAGE_URL", storage_url(settings))
     live = conn.execute("SELECT count(*) FROM chunks WHERE valid_to IS NULL AND kind <> 'card'").fetchone()[0]
-    with dg.DagsterInstance.get() as instance:
-        def row_count(asset) -> int:
-            event = instance.get_latest_materialization_event(asset.key)
+    with open_instance(settings) as instance:
+        def row_count(key) -> int:
+            event = instance.get_latest_materialization_event(key)
             return event.asset_materialization.metadata["dagster/row_count"].value
-        assert row_count(source_documents) == 2
-        assert row_count(published_chunks) == live > 0
-        assert instance.get_latest_materialization_event(published_chunks.key).asset_materialization \
+        assert row_count(SOURCE_DOCUMENTS) == 2
+        assert row_count(PUBLISHED) == live > 0
+        assert instance.get_latest_materialization_event(PUBLISHED).asset_materialization \
             .metadata["chunks_written"].value == 0
+        # The runs were made as the code location makes them: the UI lists them under `kb`'s ingest job.
+        run = instance.get_run_by_id(first.stdout.split("run ", 1)[1].split()[0]) or instance.get_runs(
+            dg.RunsFilter(job_name="ingest"))[-1]
+        origin = run.remote_job_origin
+        assert (origin.location_name, origin.repository_origin.repository_name, origin.job_name) == (
+            "kb", "__repository__", "ingest")
 
 
-def test_jobs_run_short_chains_in_process_and_spread_backfills():
-    assert defs.resolve_job_def("ingest").executor_def.name == "in_process"
-    assert defs.resolve_job_def("reembed").executor_def.name == "multiprocess"
+def test_runs_execute_in_process_unless_their_run_config_asks_for_processes_or_dask():
+    from assets.executors import kb_executor
+
+    for job in ("ingest", "reembed", "__ASSET_JOB"):
+        assert defs.resolve_job_def(job).executor_def is kb_executor
+    assert kb_executor.config_schema.default_value == {"in_process": {}}
+    assert set(kb_executor.config_schema.config_type.fields) == {"in_process", "multiprocess", "dask"}
     assert [job.name for job in defs.jobs] == ["ingest", "reembed"]
 
 
@@ -98,16 +109,16 @@ def test_every_asset_has_owners_tags_real_upstreams_and_points_at_its_table(conn
         node = graph.get(key)
         assert node.owners == ["team:search-platform"], key
         assert node.kinds, key
-    assert published_chunks.key in graph.get(model_backfill.key).parent_keys
+    assert PUBLISHED in graph.get(model_backfill.key).parent_keys
     assert model_backfill.key in graph.get(active_model.key).parent_keys
-    assert source_documents.key in graph.get(stale_documents.key).parent_keys
+    assert SOURCE_DOCUMENTS in graph.get(stale_documents.key).parent_keys
     assert graph.get(model_backfill.key).partitions_def is None  # shards are units of work, not partitions
-    for asset in ASSETS:
-        table = graph.get(asset.key).metadata.get("dagster/table_name")
-        if table is not None:
+    for key in STAGE_KEYS:
+        table = graph.get(key).metadata.get("dagster/table_name")
+        if table is not None and "<" not in table:
             assert conn.execute("SELECT to_regclass(%s)", (table.split(".", 1)[1],)).fetchone()[0] is not None
-    assert sum("dagster/table_name" in graph.get(a.key).metadata for a in ASSETS) >= 6
-    stages = [graph.get(a.key).tags.get("stage") for a in ASSETS]
+    assert sum("dagster/table_name" in graph.get(key).metadata for key in STAGE_KEYS) == 7
+    stages = [graph.get(key).tags.get("stage") for key in STAGE_KEYS]
     assert stages == ["extract", "parse", "chunk", "enrich", "embed", "publish", "cards"]
 
 
@@ -118,8 +129,11 @@ def test_the_staleness_sweep_runs_on_an_automation_condition_not_a_schedule():
     assert not list(defs.schedules or [])
 
 
+GOLDEN = SAMPLES_DIR / "golden.jsonl"
+
+
 def run_samples(conn, embedder, folder) -> None:
-    add_source(conn, declare("samples", folder), "tests")
+    add_source(conn, declare("samples", folder, golden_set=GOLDEN), "tests")
     ingest(conn, embedder, load_settings(), ["samples"])
 
 
@@ -158,10 +172,10 @@ def test_the_golden_gate_stops_a_bad_refresh_and_the_previous_version_keeps_serv
 
 
 def test_in_dagster_a_failing_gate_fails_the_publish_step_and_says_why(conn, instance, samples_copy):
-    add_source(conn, declare("samples", samples_copy), "tests")
+    add_source(conn, declare("samples", samples_copy, golden_set=GOLDEN), "tests")
     instance.add_dynamic_partitions(SOURCES, ["samples"])
     resources = {"kb": KnowledgeBase()}
-    good = dg.materialize([*ASSETS, *defs.asset_checks], resources=resources, instance=instance, partition_key="samples")
+    good = dg.materialize([ingest_flow], resources=resources, instance=instance, partition_key="samples")
     gate = {c.check_name: c for c in good.get_asset_check_evaluations()}["golden_set_hit_rate"]
     assert gate.passed and gate.metadata["queries"].value == 9 and gate.metadata["hit@5"].value == 1.0
     searchable = {c.check_name: c for c in good.get_asset_check_evaluations()}["every_live_chunk_is_searchable"]
@@ -169,31 +183,34 @@ def test_in_dagster_a_failing_gate_fails_the_publish_step_and_says_why(conn, ins
     serving = policy_text(conn)
 
     break_the_policy(samples_copy)
-    bad = dg.materialize([*ASSETS, *defs.asset_checks], resources=resources, instance=instance,
+    bad = dg.materialize([ingest_flow], resources=resources, instance=instance,
                          partition_key="samples", raise_on_error=False)
     assert not bad.success
     failure = next(e for e in bad.all_events if e.is_step_failure)
-    assert failure.step_key == "published_chunks"
+    assert failure.step_key == "ingest_flow"
     assert "golden-set gate failed" in failure.event_specific_data.user_failure_data.description
     assert policy_text(conn) == serving
-    assert "qa_cards" not in {e.asset_key.path[-1] for e in bad.get_asset_materialization_events()}
+    materialized = {e.asset_key.path[-1] for e in bad.get_asset_materialization_events()}
+    assert "chunk_embeddings" in materialized and not {"published_chunks", "qa_cards"} & materialized
+    run = conn.execute("SELECT finished_at, counters FROM ingest_runs ORDER BY run_id DESC LIMIT 1").fetchone()
+    assert run[0] is not None and run[1]["outcome"] == "stopped by the golden-set gate"  # the run finished
 
 
-def test_a_gate_no_golden_query_applies_to_says_so_and_does_not_pass(conn, instance, tmp_path):
-    add_source(conn, declare("small", small_folder(tmp_path)), "tests")  # the golden set is about "samples"
+def test_a_gate_with_nothing_to_check_says_so_and_does_not_pass(conn, instance, tmp_path):
+    add_source(conn, declare("small", small_folder(tmp_path)), "tests")  # declares no golden set
     instance.add_dynamic_partitions(SOURCES, ["small"])
-    result = dg.materialize([*ASSETS, *defs.asset_checks], resources={"kb": KnowledgeBase()}, instance=instance,
+    result = dg.materialize([ingest_flow], resources={"kb": KnowledgeBase()}, instance=instance,
                             partition_key="small")
     assert result.success  # nothing to check is not a reason to withhold the refresh ...
     gate = {c.check_name: c for c in result.get_asset_check_evaluations()}["golden_set_hit_rate"]
     assert not gate.passed and gate.severity == dg.AssetCheckSeverity.WARN  # ... nor a pass
-    assert "no golden query is about this source" in gate.description
+    assert "declares no golden set" in gate.description
 
 
 def test_published_chunks_carries_ingest_statistics_with_plots(conn, instance, tmp_path):
     add_source(conn, declare("small", small_folder(tmp_path)), "tests")
     instance.add_dynamic_partitions(SOURCES, ["small"])
-    result = dg.materialize(ASSETS, resources={"kb": KnowledgeBase()}, instance=instance, partition_key="small")
+    result = dg.materialize([ingest_flow], resources={"kb": KnowledgeBase()}, instance=instance, partition_key="small")
     meta = {e.asset_key.path[-1]: e.step_materialization_data.materialization.metadata
             for e in result.get_asset_materialization_events()}["published_chunks"]
     formats = meta["documents_per_format"].value

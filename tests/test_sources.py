@@ -11,7 +11,7 @@ import psycopg
 from click.testing import CliRunner
 
 from assets.automation import scheduled_refresh, source_partitions
-from assets.ingestion import ASSETS
+from assets.ingestion import ingest_flow
 from assets.partitions import SOURCES
 from assets.resources import KnowledgeBase
 from pipelines.cli import main
@@ -35,7 +35,7 @@ def test_cli_declarations_are_audited_and_remove_soft_deletes(settings, samples_
                                           "include": ["handbook/*"], "exclude": [], "groups": ["hr"],
                                           "freshness_hours": None, "refresh_cron": None,
                                           "allow_outside_links": False, "max_deletion_share": 0.5,
-                                          "declared_in": None}]
+                                          "declared_in": None, "golden_set": None}]
     kb("ingest", "--source", "handbook")
     kb("source", "update", "handbook", "--group", "hr", "--group", "legal", "--freshness-hours", "12")
     bad_cron = kb("source", "update", "handbook", "--refresh-cron", "every morning", expect=2)
@@ -180,7 +180,7 @@ def test_kb_ingest_and_a_dagster_materialization_leave_identical_stores(settings
     monkeypatch.setenv("DATABASE_URL", psycopg.conninfo.make_conninfo(**info))
     try:
         kb("source", "add", "samples", str(samples_copy))
-        result = dg.materialize(ASSETS, resources={"kb": KnowledgeBase()}, instance=instance, partition_key="samples")
+        result = dg.materialize([ingest_flow], resources={"kb": KnowledgeBase()}, instance=instance, partition_key="samples")
         assert result.success
         by_dagster = _store(psycopg.conninfo.make_conninfo(**info))
         status = kb_json("status")

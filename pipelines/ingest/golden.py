@@ -1,15 +1,17 @@
 """The retrieval-quality gate: hit@5 of a small golden set of (query, expected document), checked on a refresh
 before it is served.
 
-The publish stage runs the gate inside its transaction (pipelines/ingest.py): search there sees the new version,
-readers outside still see the old one, and a gate below its floor rolls the refresh back, so the previous state
-keeps serving. Golden queries about other sources do not apply; a refresh that no golden query applies to is
-reported as unchecked, never as passed.
+Each source declares its own golden set (`golden_set` in kb.toml, or none: nothing defaults to the bundled
+samples' set). The run checks it inside the publishing transaction (pipelines/ingest/run.py): search there sees
+the new version, readers outside still see the old one, and a gate below its floor rolls the refresh back, so the
+previous state keeps serving. Golden queries about other sources do not apply; a refresh that no golden query
+applies to is reported as unchecked, never as passed.
 """
 
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import psycopg
 
@@ -29,15 +31,27 @@ class GateFailed(RuntimeError):
         self.gate = gate
 
 
-def golden_gate(conn: psycopg.Connection, settings: Settings, source_ids: list[str] | None = None, k: int = 5) -> dict:
-    """hit@5 of the golden queries about these sources (all declared sources when None), searched as the operator
-    (every group a declared source names). `applicable` is False when no golden query is about them."""
-    rows = conn.execute("SELECT source_id, allowed_groups FROM sources WHERE removed_at IS NULL").fetchall()
-    sources = {source_id for source_id, _ in rows if source_ids is None or source_id in source_ids}
-    every_group = sorted({group for _, groups in rows for group in groups or ()})
-    path = settings.golden_set
-    cases = [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path and path.is_file() else []
-    cases = [c for c in cases if c["document"].split(":", 1)[0] in sources]
+def golden_cases(path: str, source_id: str) -> list[dict]:
+    """The cases of a golden set that are about this source: {"query", "document"} lines whose document is
+    `source:locator` of this source, or a bare locator (which then means this source)."""
+    cases = []
+    for line in Path(path).read_text(encoding="utf-8").splitlines():
+        if not line.strip():
+            continue
+        case = json.loads(line)
+        owner, _, locator = case["document"].rpartition(":")
+        if owner in ("", source_id):
+            cases.append({"query": case["query"], "document": f"{source_id}:{locator}"})
+    return cases
+
+
+def golden_gate(conn: psycopg.Connection, settings: Settings, source_ids: list[str], k: int = 5) -> dict:
+    """hit@5 of the golden queries these sources declare, searched as the operator (every group a declared source
+    names). `applicable` is False when none of them declares a golden set (or its set holds no query about it)."""
+    rows = conn.execute("SELECT source_id, allowed_groups, golden_set FROM sources WHERE removed_at IS NULL").fetchall()
+    every_group = sorted({group for _, groups, _ in rows for group in groups or ()})
+    sets = {source_id: path for source_id, _, path in rows if source_id in source_ids and path}
+    cases = [case for source_id, path in sorted(sets.items()) for case in golden_cases(path, source_id)]
     misses = []
     for case in cases:
         hits = run_search(conn, settings, case["query"], k, filters=Filters(groups=every_group))["chunks"]
@@ -46,4 +60,4 @@ def golden_gate(conn: psycopg.Connection, settings: Settings, source_ids: list[s
     hit_rate = (len(cases) - len(misses)) / len(cases) if cases else None
     return {"applicable": bool(cases), "queries": len(cases), "hit_rate": hit_rate, "misses": misses,
             "floor": settings.golden_floor, "passed": bool(cases) and hit_rate >= settings.golden_floor,
-            "golden_set": str(path) if path else None}
+            "golden_sets": sets}

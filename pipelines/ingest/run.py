@@ -1,40 +1,39 @@
-"""The ingest run: every stage in order over some sources, with the same records and side effects whether
-`kb ingest` or a Dagster materialization runs it.
+"""The ingest run: the flow's stages (pipelines/ingest/flow.py) over some sources, with the same records and side
+effects whichever entry point starts it: `kb ingest`, `kb eval`, a Dagster materialization, a schedule or a
+backfill.
 
-A run is a row in `ingest_runs`. Each stage writes its report there as it finishes, so a run whose stages are
-Dagster assets in separate processes adds up to the same counters as one `kb ingest`, and `kb status` shows the
-last run whichever entry point started it. The last stage (cards, after publish) finishes the run: it switches search
-to a fully embedded new model and records the run's counters.
+The run, not its caller, owns what makes a refresh safe:
+- the sources' advisory locks, held from the run's first stage to its finish, so two runs of one source never
+  interleave between stages, whatever started them;
+- the transaction boundaries: each stage commits its own batches, and the gated stage (publish) runs with the
+  golden-set gate in one transaction, so a refresh below its floor is rolled back and the previous version serves;
+- the finish, however the run ends (every stage, a subset, a gate that stopped it, an error): the model switch
+  when the configured model is complete, and the run's counters and outcome in `ingest_runs`.
 """
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, Iterator
 
 import psycopg
 from psycopg.types.json import Jsonb
 
-from pipelines.ingest.cards import generate_cards
-from pipelines.ingest.chunk import chunk_pending
-from pipelines.ingest.embed import embed_pending
-from pipelines.ingest.enrich import enrich_pending
-from pipelines.ingest.extract import extract
+from pipelines.ingest.flow import FLOW, STAGE_NAMES, Stage
 from pipelines.ingest.golden import GateFailed, golden_gate
-from pipelines.ingest.parse import parse_pending
-from pipelines.ingest.publish import publish_ready
 from pipelines.ingest.report import NO_PROGRESS, Progress, StageReport
 from pipelines.models.embedders import Embedder, embedder_for
 from pipelines.settings import Settings
 from pipelines.sources.declarations import load_sources
+from pipelines.storage.locks import source_locks
 from pipelines.storage.vectors import activate_if_complete, model_tables
 
-# progress(stage) -> what that stage reports to while it runs (pipelines/report.Progress)
+# progress(stage) -> what that stage reports to while it runs (pipelines/ingest/report.Progress)
 ProgressFactory = Callable[[str], Progress]
 
 EXIT_FILE_FAILURES = 3  # documented in README: the run finished, but some files failed
 EXIT_GATE_FAILED = 4  # the golden-set gate stopped the refresh: nothing of it was published
-STAGES = ("extract", "parse", "chunk", "enrich", "embed", "publish", "cards")
 
 
 @dataclass
@@ -44,27 +43,31 @@ class IngestSummary:
     def stage(self, name: str) -> StageReport:
         return next(s for s in self.stages if s.stage == name)
 
+    def _counts(self, name: str) -> dict:
+        return next((s.counts for s in self.stages if s.stage == name), {})
+
     @property
     def failures(self) -> list:
         return [f for s in self.stages for f in s.failures]
 
     def counters(self) -> dict:
-        ex, em, pu = self.stage("extract").counts, self.stage("embed").counts, self.stage("publish").counts
+        """The run's counters; a stage that did not run (a subset run) counts zero."""
+        ex, em, pu = self._counts("extract"), self._counts("embed"), self._counts("publish")
         return {
-            "documents_seen": ex["seen"],
-            "documents_new": ex["new"],
-            "documents_changed": ex["changed"],
-            "documents_unchanged": ex["unchanged"],
-            "documents_deleted": ex["deleted"],
+            "documents_seen": ex.get("seen", 0),
+            "documents_new": ex.get("new", 0),
+            "documents_changed": ex.get("changed", 0),
+            "documents_unchanged": ex.get("unchanged", 0),
+            "documents_deleted": ex.get("deleted", 0),
             "documents_failed": len({(f.source_id, f.locator) for f in self.failures}),
-            "documents_published": pu["documents"],
-            "chunks_written": pu["chunks_written"],
-            "chunks_inserted": pu["chunks_inserted"],
-            "chunks_updated": pu["chunks_updated"],
-            "chunks_closed": pu["chunks_closed"],
-            "embeddings_computed": em["computed"],
-            "embeddings_reused": em["reused"],
-            "cards_written": self.stage("cards").counts["cards"],
+            "documents_published": pu.get("documents", 0),
+            "chunks_written": pu.get("chunks_written", 0),
+            "chunks_inserted": pu.get("chunks_inserted", 0),
+            "chunks_updated": pu.get("chunks_updated", 0),
+            "chunks_closed": pu.get("chunks_closed", 0),
+            "embeddings_computed": em.get("computed", 0),
+            "embeddings_reused": em.get("reused", 0),
+            "cards_written": self._counts("cards").get("cards", 0),
             "elapsed_s": {s.stage: s.elapsed_s for s in self.stages},
         }
 
@@ -77,123 +80,106 @@ def _no_progress(stage: str) -> Progress:
     return NO_PROGRESS
 
 
-def models_in_use(conn: psycopg.Connection, embedder: Embedder, settings: Settings) -> list[Embedder]:
-    """The configured model first, then every other model with vectors (the serving one during a switch)."""
-    return [embedder] + [embedder_for(key, settings) for key in model_tables(conn) if key != embedder.model_key]
-
-
-def embed_all_models(conn: psycopg.Connection, embedder: Embedder, settings: Settings,
-                     source_ids: list[str] | None = None, progress: Progress = NO_PROGRESS) -> StageReport:
-    """Embed with the configured model, and, while a model switch is under way, with the serving one too, so that
-    new documents are searchable before and after the switch. Counters are the configured model's."""
-    batch = settings.embed_batch_size
-    configured, *others = models_in_use(conn, embedder, settings)
-    report = embed_pending(conn, configured, source_ids, batch_size=batch, progress=progress)
-    for other in others:
-        embed_pending(conn, other, source_ids, batch_size=batch)
-    return report
-
-
 class IngestRun:
-    """One run of the stages over some sources, recorded in `ingest_runs`."""
+    """One run of the flow over some sources, recorded in `ingest_runs`. Open it with `IngestRun.open`."""
 
     def __init__(self, conn: psycopg.Connection, settings: Settings, embedder: Embedder, source_ids: list[str],
-                 run_id: int, progress: ProgressFactory = _no_progress, allow_deletions: bool = False):
+                 run_id: int, progress: ProgressFactory, allow_deletions: bool):
         self.conn, self.settings, self.embedder = conn, settings, embedder
         self.source_ids, self.run_id, self.progress = source_ids, run_id, progress
         self.allow_deletions = allow_deletions  # confirmed: a crawl may delete more than max_deletion_share
+        self.ran: list[str] = []
 
     @classmethod
-    def start(cls, conn: psycopg.Connection, settings: Settings, embedder: Embedder,
-              source_ids: list[str] | None = None, started_by: str = "cli", external_run_id: str | None = None,
-              progress: ProgressFactory = _no_progress, allow_deletions: bool = False) -> "IngestRun":
-        """A new run, or the run already recorded for an orchestrator's run id (one row per Dagster run)."""
-        ids = source_ids or [s.source_id for s in load_sources(conn)]
-        run_id = conn.execute(
-            "INSERT INTO ingest_runs (sources, started_by, external_run_id) VALUES (%s, %s, %s)"
-            " ON CONFLICT (external_run_id) DO UPDATE SET sources = ("
-            "   SELECT array_agg(DISTINCT s) FROM unnest(ingest_runs.sources || excluded.sources) s)"
-            " RETURNING run_id", (ids, started_by, external_run_id)).fetchone()[0]
-        return cls(conn, settings, embedder, ids, run_id, progress, allow_deletions)
+    @contextmanager
+    def open(cls, conn: psycopg.Connection, settings: Settings, embedder: Embedder,
+             source_ids: list[str] | None = None, *, started_by: str = "cli", external_run_id: str | None = None,
+             progress: ProgressFactory = _no_progress, allow_deletions: bool = False) -> Iterator["IngestRun"]:
+        """A run over these sources (every declared source when None), holding their locks until it has finished.
+        A run of an orchestrator (one Dagster run id) is one row, however many times it is opened."""
+        ids = sorted(source_ids or [s.source_id for s in load_sources(conn)])
+        with source_locks(conn, ids):
+            run_id = conn.execute(
+                "INSERT INTO ingest_runs (sources, started_by, external_run_id) VALUES (%s, %s, %s)"
+                " ON CONFLICT (external_run_id) DO UPDATE SET sources = ("
+                "   SELECT array_agg(DISTINCT s) FROM unnest(ingest_runs.sources || excluded.sources) s),"
+                "   finished_at = NULL"
+                " RETURNING run_id", (ids, started_by, external_run_id)).fetchone()[0]
+            run = cls(conn, settings, embedder, ids, run_id, progress, allow_deletions)
+            try:
+                yield run
+            except BaseException as exc:
+                if not (conn.closed or conn.broken):  # a lost database cannot record; the next run resumes
+                    run._finish(outcome=_outcome(exc))
+                raise
+            run._finish(outcome="succeeded")
 
-    def run_stage(self, stage: str) -> StageReport:
-        """Run one stage and record its report; the last stage also finishes the run. A refresh the golden-set
-        gate stops is recorded (with the gate's result) and raised as GateFailed."""
-        progress = self.progress(stage)
+    def run_stage(self, stage: Stage) -> StageReport:
+        """Run one stage and record its report. The gated stage runs with the golden-set gate in one transaction:
+        a gate below its floor rolls it back, is recorded with the gate's result, and is raised as GateFailed."""
+        progress = self.progress(stage.name)
         try:
-            report = getattr(self, f"_{stage}")(progress)
+            if stage.gated:
+                with self.conn.transaction():
+                    report = stage.run(self, progress)
+                    self._gate(report)
+            else:
+                report = stage.run(self, progress)
         except GateFailed as failed:
-            report = StageReport(stage)
+            report = StageReport(stage.name)
             report.notes = {"gate": failed.gate, "published": False}
-            self._record(stage, report)
+            self._record(stage.name, report)
             raise
         progress.done(report)
-        self._record(stage, report)
-        if stage == STAGES[-1]:
-            self.finish()
+        self._record(stage.name, report)
         return report
 
-    def _record(self, stage: str, report: StageReport) -> None:
-        self.conn.execute("UPDATE ingest_runs SET stages = stages || jsonb_build_object(%s::text, %s::jsonb)"
-                          " WHERE run_id = %s", (stage, Jsonb(report.as_dict()), self.run_id))
-
-    def run_all(self) -> IngestSummary:
-        for stage in STAGES:
+    def run_all(self, stages: tuple[Stage, ...] = FLOW) -> "IngestSummary":
+        for stage in stages:
             self.run_stage(stage)
         return self.summary()
 
+    def _gate(self, report: StageReport) -> None:
+        """The golden sets of the run's sources, checked on what the stage just published (inside its transaction:
+        search here sees the new version, readers elsewhere the old one)."""
+        if not report.counts["documents"]:
+            return  # nothing was published: what serves has not changed
+        gate = golden_gate(self.conn, self.settings, self.source_ids)
+        report.notes["gate"] = gate
+        if gate["applicable"] and not gate["passed"]:
+            raise GateFailed(gate)
+
+    def _record(self, stage: str, report: StageReport) -> None:
+        self.ran.append(stage)
+        self.conn.execute("UPDATE ingest_runs SET stages = stages || jsonb_build_object(%s::text, %s::jsonb)"
+                          " WHERE run_id = %s", (stage, Jsonb(report.as_dict()), self.run_id))
+
     def summary(self) -> IngestSummary:
         stored = self.conn.execute("SELECT stages FROM ingest_runs WHERE run_id = %s", (self.run_id,)).fetchone()[0]
-        return IngestSummary([StageReport.from_dict(stage, stored[stage]) for stage in STAGES if stage in stored])
+        return IngestSummary([StageReport.from_dict(name, stored[name]) for name in STAGE_NAMES if name in stored])
 
-    def finish(self) -> None:
+    def models_in_use(self) -> list[Embedder]:
+        """The configured model first, then every other model with vectors (the serving one during a switch)."""
+        return [self.embedder] + [embedder_for(key, self.settings) for key in model_tables(self.conn)
+                                  if key != self.embedder.model_key]
+
+    def _finish(self, outcome: str) -> None:
+        """Switch search to the configured model once it is complete, and record the counters of what ran."""
         activate_if_complete(self.conn, self.embedder.model_key)
-        counters = self.summary().as_dict() if self._complete() else {}
         self.conn.execute("UPDATE ingest_runs SET finished_at = now(), counters = %s WHERE run_id = %s",
-                          (Jsonb(counters), self.run_id))
+                          (Jsonb({**self.summary().as_dict(), "outcome": outcome}), self.run_id))
 
-    def _complete(self) -> bool:
-        stored = self.conn.execute("SELECT stages FROM ingest_runs WHERE run_id = %s", (self.run_id,)).fetchone()[0]
-        return all(stage in stored for stage in STAGES)
 
-    def _extract(self, progress: Progress) -> StageReport:
-        return extract(self.conn, load_sources(self.conn, self.source_ids), self.settings.limits, self.allow_deletions,
-                       progress)
-
-    def _parse(self, progress: Progress) -> StageReport:
-        return parse_pending(self.conn, self.source_ids, progress=progress, workers=self.settings.parse_workers,
-                             limits=self.settings.limits)
-
-    def _chunk(self, progress: Progress) -> StageReport:
-        return chunk_pending(self.conn, self.embedder.counter, self.source_ids, progress=progress,
-                             max_chunks=self.settings.limits.max_chunks_per_document)
-
-    def _enrich(self, progress: Progress) -> StageReport:
-        return enrich_pending(self.conn, self.embedder.counter, self.source_ids, progress=progress)
-
-    def _embed(self, progress: Progress) -> StageReport:
-        return embed_all_models(self.conn, self.embedder, self.settings, self.source_ids, progress)
-
-    def _publish(self, progress: Progress) -> StageReport:
-        """Publish in one transaction and check the golden set inside it: search there sees the new version, readers
-        outside the old one, and a gate below its floor rolls the refresh back."""
-        with self.conn.transaction():
-            report = publish_ready(self.conn, self.source_ids, batch_size=self.settings.batch_documents,
-                                   progress=progress)
-            if report.counts["documents"]:
-                gate = golden_gate(self.conn, self.settings, self.source_ids)
-                report.notes["gate"] = gate
-                if gate["applicable"] and not gate["passed"]:
-                    raise GateFailed(gate)
-        return report
-
-    def _cards(self, progress: Progress) -> StageReport:
-        return generate_cards(self.conn, self.settings, models_in_use(self.conn, self.embedder, self.settings),
-                              self.source_ids, progress=progress)
+def _outcome(exc: BaseException) -> str:
+    if isinstance(exc, GateFailed):
+        return "stopped by the golden-set gate"
+    return f"failed: {type(exc).__name__}: {exc}"[:500]
 
 
 def ingest(conn: psycopg.Connection, embedder: Embedder, settings: Settings, source_ids: list[str] | None = None,
-           progress: ProgressFactory = _no_progress, allow_deletions: bool = False) -> IngestSummary:
+           progress: ProgressFactory = _no_progress, allow_deletions: bool = False,
+           started_by: str = "cli") -> IngestSummary:
     """Run every stage over the given sources (all declared sources when None), as `kb ingest` does."""
-    return IngestRun.start(conn, settings, embedder, source_ids, progress=progress,
-                           allow_deletions=allow_deletions).run_all()
+    with IngestRun.open(conn, settings, embedder, source_ids, started_by=started_by, progress=progress,
+                        allow_deletions=allow_deletions) as run:
+        return run.run_all()

@@ -42,6 +42,7 @@ class Source:
     allow_outside_links: bool = False  # may a symlink in the folder lead outside it?
     max_deletion_share: float = 0.5  # a crawl that would soft-delete more of the live documents deletes none
     declared_in: str | None = None  # the config file that declares the source; None: the CLI
+    golden_set: str | None = None  # JSONL of {"query", "document"} its refreshes must keep finding; None: no gate
 
     def declaration(self) -> dict:
         """Everything that governs the source, as recorded in the audit trail and compared on re-declaration."""
@@ -54,7 +55,7 @@ COLUMNS = {  # Source field -> sources column
     "source_id": "source_id", "kind": "kind", "location": "location", "include": "include_globs",
     "exclude": "exclude_globs", "groups": "allowed_groups", "freshness_hours": "freshness_hours",
     "refresh_cron": "refresh_cron", "allow_outside_links": "allow_outside_links",
-    "max_deletion_share": "max_deletion_share", "declared_in": "declared_in",
+    "max_deletion_share": "max_deletion_share", "declared_in": "declared_in", "golden_set": "golden_set",
 }
 SELECT = f"SELECT {', '.join(COLUMNS.values())} FROM sources"
 
@@ -81,7 +82,7 @@ def locate(path: str | Path) -> tuple[str, str]:
 
 def declare(name: str | None, path: str | Path, include=(), exclude=(), groups=None, freshness_hours=None,
             refresh_cron=None, allow_outside_links: bool = False, max_deletion_share: float = 0.5,
-            declared_in: str | None = None) -> Source:
+            declared_in: str | None = None, golden_set: str | Path | None = None) -> Source:
     """A validated declaration; the name defaults to the folder or file name."""
     kind, location = locate(path)
     name = name or Path(location).stem
@@ -89,7 +90,7 @@ def declare(name: str | None, path: str | Path, include=(), exclude=(), groups=N
         raise DeclarationError(f"source name {name!r}: use letters, digits, '.', '_' or '-' (at most 63 characters)")
     return Source(name, kind, location, tuple(include), tuple(exclude), normalise_groups(groups),
                   _positive(freshness_hours), _cron(refresh_cron), bool(allow_outside_links),
-                  _share(max_deletion_share), declared_in)
+                  _share(max_deletion_share), declared_in, _golden(golden_set))
 
 
 def normalise_groups(groups) -> tuple[str, ...] | None:
@@ -127,6 +128,16 @@ def _cron(expression: str | None) -> str | None:
     if not isinstance(expression, str) or not croniter.is_valid(expression):
         raise DeclarationError(f"refresh_cron {expression!r} is not a valid cron expression")
     return expression
+
+
+def _golden(path: str | Path | None) -> str | None:
+    """The golden set's absolute path; it must be a file of JSON lines, each {"query", "document"}."""
+    if path is None:
+        return None
+    resolved = Path(path).expanduser().resolve()
+    if not resolved.is_file():
+        raise DeclarationError(f"golden_set {path}: no such file (a JSONL file of {{\"query\", \"document\"}} lines)")
+    return str(resolved)
 
 
 def actor(entry: str) -> str:
@@ -225,6 +236,8 @@ def update_source(conn: psycopg.Connection, source_id: str, who: str, via_config
             changes["refresh_cron"] = _cron(changes["refresh_cron"])
         if "max_deletion_share" in changes:
             changes["max_deletion_share"] = _share(changes["max_deletion_share"])
+        if "golden_set" in changes:
+            changes["golden_set"] = _golden(changes["golden_set"])
         for key in ("include", "exclude"):
             if key in changes:
                 changes[key] = tuple(changes[key])
@@ -265,6 +278,7 @@ def read_config(path: str | Path) -> list[Source]:
         refresh_cron = "0 6 * * *"
         allow_outside_links = false
         max_deletion_share = 0.5          # a crawl that would delete more of its documents deletes none
+        golden_set = "golden.jsonl"       # queries its refreshes must keep finding (relative to this file)
     """
     config = Path(path).expanduser().resolve()
     try:
@@ -272,7 +286,7 @@ def read_config(path: str | Path) -> list[Source]:
     except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError) as exc:
         raise DeclarationError(f"{path}: cannot read the source declarations: {exc}") from exc
     known = {"location", "include", "exclude", "groups", "freshness_hours", "refresh_cron", "allow_outside_links",
-             "max_deletion_share"}
+             "max_deletion_share", "golden_set"}
     declared = []
     for name, table in (data.get("sources") or {}).items():
         if not isinstance(table, dict) or "location" not in table:
@@ -284,7 +298,9 @@ def read_config(path: str | Path) -> list[Source]:
             declared.append(declare(name, config.parent / str(table["location"]), table.get("include", ()),
                                     table.get("exclude", ()), table.get("groups"), table.get("freshness_hours"),
                                     table.get("refresh_cron"), table.get("allow_outside_links", False),
-                                    table.get("max_deletion_share", 0.5), declared_in=str(config)))
+                                    table.get("max_deletion_share", 0.5), declared_in=str(config),
+                                    golden_set=config.parent / str(table["golden_set"]) if "golden_set" in table
+                                    else None))
         except DeclarationError as exc:
             raise DeclarationError(f"{path}: [sources.{name}]: {exc}") from exc
     return declared
@@ -341,14 +357,15 @@ def source_file(location: str, relpath: str, allow_outside_links: bool = False) 
 
 
 def source_for_ingest(conn: psycopg.Connection, path: str | Path, name: str | None, include=(), exclude=(),
-                      groups=None, who: str = "") -> str:
+                      groups=None, who: str = "") -> tuple[Source, bool]:
     """What `kb ingest PATH` means: a new source is declared from the command; a declared one is ingested as
-    declared, and a command that would change its location, globs or groups is refused."""
+    declared, and a command that would change its location, globs or groups is refused. Returns the source and
+    whether this command declared it."""
     wanted = declare(name, path, include, exclude, groups)
     stored = get_source(conn, wanted.source_id)
     if stored is None:
         add_source(conn, wanted, who)
-        return wanted.source_id
+        return wanted, True
     asked = {"location": wanted.location}
     if include:
         asked["include"] = list(wanted.include)
@@ -364,7 +381,7 @@ def source_for_ingest(conn: psycopg.Connection, path: str | Path, name: str | No
                else f"run `kb source update {stored.source_id} ...`")
         raise DeclarationError(f"source {stored.source_id!r} is declared with {_describe(stored, clashes)}, not what this"
                           f" command gives; ingesting never changes a declaration: {how}, or use another --source name")
-    return stored.source_id
+    return stored, False
 
 
 def source_changes(conn: psycopg.Connection, source_id: str, limit: int = 20) -> list[dict]:

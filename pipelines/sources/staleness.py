@@ -8,6 +8,8 @@ from datetime import timedelta
 import psycopg
 from psycopg.rows import dict_row
 
+from pipelines.settings import Settings
+
 FLAG = """
 UPDATE documents d SET stale_since = now()
 FROM sources s
@@ -48,3 +50,18 @@ def sweep(conn: psycopg.Connection, freshness: timedelta) -> dict:
         "oldest_crawl": min((s["last_crawled_at"] for s in stale if s["last_crawled_at"]), default=None),
         "sources": per_source,
     }
+
+
+def sweep_sources(conn: psycopg.Connection, settings: Settings, freshness_hours: float | None = None) -> dict:
+    """The sweep, then the purge of history older than KB_RETENTION_DAYS when it is set: what `kb sweep` and the
+    `stale_documents` asset both run. It holds every source's lock, so no refresh is half-way through."""
+    from pipelines.sources.declarations import load_sources
+    from pipelines.storage.history import purge_history
+    from pipelines.storage.locks import source_locks
+
+    window = timedelta(hours=freshness_hours if freshness_hours is not None else settings.freshness_hours)
+    with source_locks(conn, [s.source_id for s in load_sources(conn)]):
+        result = sweep(conn, window)
+        if settings.retention_days is not None:
+            result["retention"] = purge_history(conn, settings.retention_days)
+    return result

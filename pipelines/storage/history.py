@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import psycopg
+from psycopg import sql
 from psycopg.rows import dict_row
 
 HISTORY = """
@@ -31,13 +32,21 @@ SELECT count(*) FROM purged
 """
 
 
+# A vector is kept while a chunk (live or in history) or a draft not yet published uses its text.
+UNUSED_VECTORS = """
+DELETE FROM {table} v
+WHERE NOT EXISTS (SELECT 1 FROM chunks c WHERE c.text_hash = v.text_hash)
+  AND NOT EXISTS (SELECT 1 FROM chunk_drafts d WHERE d.text_hash = v.text_hash)
+"""
+
+
 def purge_history(conn: psycopg.Connection, older_than_days: int) -> dict[str, int]:
-    """Delete chunks closed more than N days ago, then vectors no chunk uses any more (per model table)."""
+    """Delete chunks closed more than N days ago, then vectors that neither a chunk nor a draft uses (per model
+    table). Callers hold the sources' locks (pipelines/sources/staleness.sweep_sources), so no refresh is between
+    embedding its drafts and publishing them."""
     with conn.transaction():
         chunks = conn.execute(PURGE, {"days": older_than_days}).fetchone()[0]
         vectors = 0
         for (table,) in conn.execute("SELECT vector_table FROM embedding_models WHERE state <> 'retired'").fetchall():
-            vectors += conn.execute(
-                f"DELETE FROM {table} v WHERE NOT EXISTS (SELECT 1 FROM chunks c WHERE c.text_hash = v.text_hash)"
-            ).rowcount
+            vectors += conn.execute(sql.SQL(UNUSED_VECTORS).format(table=sql.Identifier(table))).rowcount
     return {"chunks_purged": chunks, "vectors_purged": vectors}

@@ -31,28 +31,6 @@ def knowledge_base_status(conn: psycopg.Connection) -> dict:
         }
 
 
-# What each ingestion asset holds for one source, in rows of its table (Dagster's dagster/row_count).
-HOLDINGS = {
-    "source_documents": "SELECT count(*) FROM documents d WHERE d.source_id = %(id)s AND d.deleted_at IS NULL",
-    "parsed_elements": "SELECT count(*) FROM elements e JOIN documents d USING (document_id)"
-                       " WHERE d.source_id = %(id)s AND d.deleted_at IS NULL",
-    "chunk_drafts": "SELECT count(*) FROM chunk_drafts c JOIN documents d USING (document_id) WHERE d.source_id = %(id)s",
-    "enriched_chunks": "SELECT count(*) FROM chunk_drafts c JOIN documents d USING (document_id)"
-                       " WHERE d.source_id = %(id)s AND c.embed_text IS NOT NULL",
-    "chunk_embeddings": "SELECT count(DISTINCT c.text_hash) FROM chunks c JOIN documents d USING (document_id)"
-                        " WHERE d.source_id = %(id)s AND c.valid_to IS NULL",
-    "published_chunks": "SELECT count(*) FROM chunks c JOIN documents d USING (document_id)"
-                        " WHERE d.source_id = %(id)s AND c.valid_to IS NULL AND c.kind <> 'card'",
-    "qa_cards": "SELECT count(*) FROM chunks c JOIN documents d USING (document_id)"
-                " WHERE d.source_id = %(id)s AND c.valid_to IS NULL AND c.kind = 'card'",
-}
-
-
-def holdings(conn: psycopg.Connection, source_id: str, asset: str) -> int:
-    """Rows an ingestion asset holds for a source (drafts hold nothing once published)."""
-    return conn.execute(HOLDINGS[asset], {"id": source_id}).fetchone()[0]
-
-
 def ingest_statistics(conn: psycopg.Connection, source_ids: list[str] | None = None) -> dict:
     """What the knowledge base holds, for plots: chunk lengths (model tokens), documents per format, failures."""
     params = {"ids": source_ids}

@@ -97,10 +97,14 @@ def active_model(conn: psycopg.Connection) -> str | None:
 MISSING_LIVE = "SELECT count(*) FROM chunks c WHERE c.valid_to IS NULL AND NOT EXISTS (SELECT 1 FROM {} v WHERE v.text_hash = c.text_hash)"
 
 
-def _switch_readiness(conn: psycopg.Connection, model_key: str, lock: bool = False) -> tuple[str, str]:
-    """("active" | "incomplete" | "ready", vector table) for a model; `lock` holds its row until commit."""
-    state, table = conn.execute("SELECT state, vector_table FROM embedding_models WHERE model_key = %s"
-                                + (" FOR UPDATE" if lock else ""), (model_key,)).fetchone()
+def _switch_readiness(conn: psycopg.Connection, model_key: str, lock: bool = False) -> tuple[str, str | None]:
+    """("active" | "incomplete" | "ready" | "unknown", vector table) for a model; `lock` holds its row until
+    commit. A model with no vectors stored yet (a run that stopped before embedding) is "unknown"."""
+    row = conn.execute("SELECT state, vector_table FROM embedding_models WHERE model_key = %s"
+                       + (" FOR UPDATE" if lock else ""), (model_key,)).fetchone()
+    if row is None:
+        return "unknown", None
+    state, table = row
     if state == "active":
         return state, table
     missing = conn.execute(sql.SQL(MISSING_LIVE).format(sql.Identifier(table))).fetchone()[0]
