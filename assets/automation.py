@@ -98,7 +98,7 @@ def source_change_sensor(context: dg.SensorEvaluationContext, kb: KnowledgeBase)
     seen = json.loads(context.cursor) if context.cursor else {}
     requests = []
     for source in _partitioned(context, kb):
-        fingerprint = source_fingerprint(source.location)
+        fingerprint = source_fingerprint(str(source.path))
         if seen.get(source.source_id) != fingerprint:
             requests.append(_refresh(source.source_id, f"{source.source_id}:{fingerprint}", "files changed"))
             seen[source.source_id] = fingerprint

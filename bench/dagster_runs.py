@@ -1,6 +1,6 @@
 """Dagster runs, timed: a refresh that changes nothing, through `kb dagster ingest`; and the model backfill
-(`kb dagster reembed`, int8 ONNX -> torch fp32) over a dask.distributed cluster of 1, 2 and 4 workers, and over
-local processes (the multiprocess executor) for reference.
+(`kb dagster reembed`, int8 ONNX -> torch fp32) over a dask.distributed cluster of 1, 2 and 4 workers, and in
+process (the default executor) for reference.
 
     .venv/bin/python -m bench.dagster_runs [--records 600] [--workers 1 --workers 2 --workers 4]
 
@@ -125,11 +125,11 @@ def noop_refresh(server: str) -> dict:
 
 
 def backfill(server: str, workers: int | None, home: Path) -> dict:
-    """`kb dagster reembed` to torch fp32 on a fresh copy of the base: over `workers` dask workers, or over local
-    processes when None."""
+    """`kb dagster reembed` to torch fp32 on a fresh copy of the base: over `workers` dask workers, or in process
+    when None."""
     import psycopg
 
-    from assets.instance import prepare_instance
+    from assets.instance import dagster_home
     from pipelines.settings import load_settings
 
     name = f"kb_bench_dagster_{workers or 'local'}"
@@ -140,16 +140,16 @@ def backfill(server: str, workers: int | None, home: Path) -> dict:
     info["dbname"] = name
     env = {**os.environ, "DATABASE_URL": psycopg.conninfo.make_conninfo(**info), "KB_EMBEDDER": "local-fp32"}
     os.environ.update(env)
-    prepare_instance(load_settings())  # DAGSTER_HOME and the instance's storage URL, for every process below
+    dagster_home(load_settings())  # kb's dagster.yaml in DAGSTER_HOME, for every process below
     env = os.environ.copy()
     if workers is None:
         elapsed, result = kb("dagster", "reembed", "--json", env=env)
     else:
         with dask_cluster(workers, env, home / "dask-logs" / str(workers)) as (address, _):
-            elapsed, result = kb("dagster", "reembed", "--json", env={**env, "KB_DASK_SCHEDULER": address})
+            elapsed, result = kb("dagster", "reembed", "--json", "--dask", address, env=env)
     with psycopg.connect(server, autocommit=True) as admin:
         admin.execute(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")
-    return {"workers": workers or "local processes", "wall_s": round(elapsed, 1), "computed": result["computed"],
+    return {"workers": workers or "in process", "wall_s": round(elapsed, 1), "computed": result["computed"],
             "shards": result["shards_done"], "worker_processes_used": len(result["workers"]),
             "chunks_per_s": round(result["computed"] / elapsed, 1)}
 

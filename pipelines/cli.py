@@ -581,7 +581,7 @@ def _source_line(s) -> str:
               f"may delete {s.max_deletion_share:.0%} per crawl" if s.max_deletion_share != 0.5 else "",
               f"golden set {s.golden_set}" if s.golden_set else "",
               f"declared in {s.declared_in}" if s.declared_in else ""]
-    return (f"{s.source_id}: {s.kind} {s.location}; readable by {_readers(s.groups)}"
+    return (f"{s.source_id}: {s.kind} {s.path}; readable by {_readers(s.groups)}"
             + "".join(f"; {e}" for e in extras if e))
 
 
@@ -714,8 +714,9 @@ def source_remove(name, as_json):
 @click.option("--prune", is_flag=True, help="Also remove sources this file declared before and no longer does.")
 @click.option("--json", "as_json", is_flag=True)
 def source_apply(config, prune, as_json):
-    """Make the declared sources match a config file (default: $KB_CONFIG, else ./kb.toml)."""
-    from pipelines.sources.declarations import actor, apply_config
+    """Make the declared sources match a config file (default: $KB_CONFIG, else ./kb.toml), and say when Dagster
+    will refresh each one."""
+    from pipelines.sources.declarations import actor, apply_config, load_sources
     from pipelines.storage.database import connect
 
     settings = load_settings()
@@ -725,10 +726,28 @@ def source_apply(config, prune, as_json):
     with connect(settings) as conn:
         result = apply_config(conn, config, actor(f"kb source apply {config}"), prune)
         _sync_dagster(conn)
-    lines = [f"{what}: {', '.join(names)}" for what, names in result.items() if names]
+        declared = [s for s in load_sources(conn) if s.source_id in {*result["added"], *result["updated"],
+                                                                       *result["unchanged"]}]
+    result["refreshes"] = {s.source_id: _refresh_plan(s, settings) for s in declared}
+    lines = [f"{what}: {', '.join(names)}" for what, names in result.items() if names and what != "refreshes"]
     if result["not_in_file"]:
         lines.append("(sources no longer in the file stay declared; --prune removes them)")
+    lines += [f"{name}: refreshed by Dagster at '{plan['cron']}', next {plan['next']}"
+              for name, plan in result["refreshes"].items()]
+    if declared:
+        lines.append("(the scheduled_refresh sensor runs them whenever `dagster dev` or the Dagster daemon runs)")
     _emit(result, as_json, "\n".join(lines) or "nothing declared")
+
+
+def _refresh_plan(source, settings) -> dict:
+    """When Dagster refreshes a source: its cron (or KB_REFRESH_CRON) and the next time it fires."""
+    from datetime import datetime, timezone
+
+    from croniter import croniter
+
+    cron = source.refresh_cron or settings.refresh_cron
+    upcoming = croniter(cron, datetime.now(timezone.utc)).get_next(datetime)
+    return {"cron": cron, "next": upcoming.isoformat(timespec="minutes")}
 
 
 @main.group(name="dagster")

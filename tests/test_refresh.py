@@ -17,7 +17,8 @@ import pytest
 
 from pipelines.ingest import chunk as drafts
 from pipelines.ingest import publish
-from pipelines.ingest.run import ingest
+from pipelines.ingest.flow import stage
+from pipelines.ingest.run import IngestRun, ingest
 from pipelines.models.embedders import OnnxEmbedder
 from pipelines.retrieval.search import dense_search
 from pipelines.settings import load_settings
@@ -256,6 +257,14 @@ def test_staleness_sweep_flags_sources_not_crawled_in_time_and_retention_purges(
     run(conn, embedder, samples_copy)
     assert purge_history(conn, 30)["chunks_purged"] == 0
     conn.execute("UPDATE chunks SET valid_to = valid_to - interval '40 days' WHERE valid_to IS NOT NULL")
+    # A draft embedded but not yet published (a refresh between its embed and publish stages) keeps its vector.
+    path.write_text(path.read_text().replace("22 weeks", "24 weeks"))
+    with IngestRun.open(conn, load_settings(), embedder, ["samples"]) as draft:
+        for name in ("extract", "parse", "chunk", "enrich", "embed"):
+            draft.run_stage(stage(name))
+    drafted = conn.execute("SELECT count(DISTINCT text_hash) FROM chunk_drafts").fetchone()[0]
     purged = purge_history(conn, 30)
     assert purged == {"chunks_purged": 1, "vectors_purged": 1}
     assert conn.execute("SELECT count(*) FROM chunks WHERE valid_to IS NOT NULL").fetchone()[0] == 0
+    assert drafted and conn.execute(f"SELECT count(*) FROM chunk_drafts d JOIN {VECTORS} v USING (text_hash)"
+                                    ).fetchone()[0] == conn.execute("SELECT count(*) FROM chunk_drafts").fetchone()[0]

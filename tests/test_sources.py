@@ -73,8 +73,11 @@ location = "{SAMPLES_DIR / 'faq.jsonl'}"
 groups = ["staff"]
 refresh_cron = "15 6 * * 1-5"
 """)
-    assert kb_json("source", "apply", str(config)) == {
-        "added": ["samples", "faq"], "updated": [], "unchanged": [], "removed": [], "not_in_file": []}
+    applied = kb_json("source", "apply", str(config))
+    assert applied == {"added": ["samples", "faq"], "updated": [], "unchanged": [], "removed": [], "not_in_file": [],
+                       "refreshes": applied["refreshes"]}
+    assert {name: plan["cron"] for name, plan in applied["refreshes"].items()} == {
+        "faq": "15 6 * * 1-5", "samples": "0 * * * *"}  # what will run when
     assert kb_json("source", "apply", str(config))["unchanged"] == ["samples", "faq"]
     refused = kb("source", "update", "faq", "--public", expect=2)
     assert f"declared in {config}" in refused.output
@@ -190,3 +193,53 @@ def test_kb_ingest_and_a_dagster_materialization_leave_identical_stores(settings
     assert by_dagster == by_cli
     assert status["last_run"]["started_by"] == "dagster" and status["last_run"]["external_run_id"] == result.run_id
     assert status["last_run"]["counters"]["documents_failed"] == 1
+
+
+def test_the_same_kb_toml_applies_from_another_checkout_and_paths_stay_relative(settings, tmp_path):
+    """A kb.toml kept in git, applied from a second checkout (another folder, another host): accepted as the same
+    declaration, its relative paths stay relative and now resolve there; documents keep their history."""
+    import shutil
+
+    first = tmp_path / "checkout-a"
+    (first / "docs").mkdir(parents=True)
+    (first / "docs" / "policy.md").write_text("# Policy\n\nThe okapi policy.\n")
+    (first / "golden.jsonl").write_text('{"query": "okapi policy", "document": "policy.md"}\n')
+    (first / "kb.toml").write_text('[sources.team]\nlocation = "docs"\ngolden_set = "golden.jsonl"\n')
+    assert kb_json("source", "apply", str(first / "kb.toml"))["added"] == ["team"]
+    assert kb_json("source", "show", "team")["source"]["location"] == "docs"
+    kb("ingest", "--source", "team")
+
+    second = tmp_path / "checkout-b"
+    shutil.copytree(first, second)
+    shutil.rmtree(first)  # the first checkout is gone: only the second one holds the documents now
+    result = kb_json("source", "apply", str(second / "kb.toml"))
+    assert result["updated"] == ["team"] and result["refreshes"]["team"]["cron"] == "0 * * * *"
+    declared = kb_json("source", "show", "team")
+    assert (declared["source"]["location"], declared["source"]["golden_set"]) == ("docs", "golden.jsonl")
+    assert declared["source"]["declared_in"] == str(second / "kb.toml")
+    again = kb_json("ingest", "--source", "team")
+    assert again["documents_unchanged"] == 1 and again["documents_deleted"] == 0 and not again["errors"]
+
+    # A source declared from the CLI is still never taken over by a file.
+    kb("source", "add", "cli-made", str(second / "docs"))
+    (second / "other.toml").write_text('[sources.cli-made]\nlocation = "docs"\n')
+    assert "already declared from the CLI" in kb("source", "apply", str(second / "other.toml"), expect=2).output
+
+
+def test_kb_eval_never_changes_a_source_declared_in_the_database_it_is_given(settings, tmp_path):
+    import shutil
+
+    from pipelines.settings import REPO_ROOT
+
+    dataset = tmp_path / "scifact"
+    (dataset / "qrels").mkdir(parents=True)
+    corpus = REPO_ROOT.parent / "shared" / "datasets" / "scifact"
+    (dataset / "corpus.jsonl").write_text("".join(open(corpus / "corpus.jsonl").readlines()[:20]))
+    (dataset / "queries.jsonl").write_text("".join(open(corpus / "queries.jsonl").readlines()[:3]))
+    (dataset / "qrels" / "test.tsv").write_text("query-id\tcorpus-id\tscore\n")
+    moved = tmp_path / "elsewhere"
+    shutil.copytree(dataset, moved)
+    kb("source", "add", "beir-scifact", str(moved / "corpus.jsonl"))
+    refused = kb("eval", str(dataset), "--database-url", settings.database_url, expect=2)
+    assert "never changes a declared source" in refused.output
+    assert kb_json("source", "show", "beir-scifact")["source"]["location"] == str(moved / "corpus.jsonl")

@@ -81,3 +81,10 @@ def test_shards_starting_together_register_a_new_model_once(conn, settings):
         tables = list(pool.map(shard, range(8)))
     assert len(set(tables)) == 1
     assert conn.execute("SELECT count(*) FROM embedding_models WHERE model_key = 'test:race:4'").fetchone()[0] == 1
+
+
+def test_long_model_keys_never_share_a_vector_table():
+    one = vector_store.table_name("openai:my-org/a-very-long-embedding-model-name-that-goes-on-v1:3072")
+    two = vector_store.table_name("openai:my-org/a-very-long-embedding-model-name-that-goes-on-v2:3072")
+    assert one != two and len(one) <= 58 and len(two) <= 58  # room for the index's _hnsw suffix
+    assert vector_store.table_name("openai:fake-embed:8") == "vectors_openai_fake_embed_8"  # short keys stay readable

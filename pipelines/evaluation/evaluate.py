@@ -176,14 +176,15 @@ def default_split(dataset: Path) -> str:
 def evaluate_dataset(settings, dataset: Path, split: str | None = None, database_url: str | None = None,
                      weights=(), misses: bool = False, reranker=None, progress=None) -> dict:
     """Ingest a BEIR dataset's corpus as source `beir-<name>` (in its own kb_eval_<name> database unless one is
-    given) and evaluate every configuration on its queries. The evaluation database is kb's own: its source
-    follows the dataset's location."""
+    given) and evaluate every configuration on its queries. In kb_eval_<name>, which is the evaluation's own, the
+    source follows the dataset's location; in a database given with --database-url a source declared there is
+    never changed: one at another location is refused."""
     import dataclasses
     import re
 
     from pipelines.ingest.run import ingest
     from pipelines.models.embedders import make_embedder
-    from pipelines.sources.declarations import actor, add_source, declare, get_source, update_source
+    from pipelines.sources.declarations import DeclarationError, actor, add_source, declare, get_source, update_source
     from pipelines.storage.database import connect, ensure_database
     from pipelines.storage.database import database_url as server_url
     from pipelines.storage.status import ingest_statistics
@@ -199,9 +200,14 @@ def evaluate_dataset(settings, dataset: Path, split: str | None = None, database
         configs.append(Configuration("hybrid+rerank", "hybrid", rerank=True))
     with connect(settings) as conn:
         corpus = declare(source_id, dataset / "corpus.jsonl")
-        if get_source(conn, source_id) is None:
+        stored = get_source(conn, source_id)
+        if stored is None:
             add_source(conn, corpus, actor("kb eval"))
-        else:
+        elif stored.path != corpus.path and database_url:
+            raise DeclarationError(f"source {source_id!r} is declared in that database at {stored.path}, not"
+                                   f" {corpus.path}; kb eval never changes a declared source: evaluate in another"
+                                   " database, or move the source with `kb source update`")
+        elif stored.path != corpus.path:
             update_source(conn, source_id, actor("kb eval"), location=corpus.location)
         summary = ingest(conn, embedder, settings, [source_id], **({"progress": progress} if progress else {}))
         if summary.counters()["cards_written"] or conn.execute(

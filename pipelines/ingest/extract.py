@@ -87,7 +87,7 @@ def walk_folder(crawl: Crawl, known: Known, progress: Progress = NO_PROGRESS) ->
     not followed. A folder that cannot be listed is recorded, and nothing stored under it is deleted. The folder is
     listed first (cheap next to reading the files), so that progress knows the total."""
     source = crawl.source
-    root = Path(source.location)
+    root = source.path
     if not root.is_dir():
         raise FileNotFoundError(f"source {source.source_id!r}: folder {root} does not exist or is not mounted")
 
@@ -114,7 +114,7 @@ def walk_folder(crawl: Crawl, known: Known, progress: Progress = NO_PROGRESS) ->
     progress.total(len(listed))
     for path, relpath in listed:
         try:
-            yield _inspect_file(source_file(source.location, relpath, source.allow_outside_links), relpath,
+            yield _inspect_file(source_file(str(root), relpath, source.allow_outside_links), relpath,
                                 known.get(relpath), crawl.limits)
         except (OSError, UnsupportedFormat, ValueError) as exc:
             reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
@@ -208,7 +208,7 @@ def read_records(crawl: Crawl, progress: Progress = NO_PROGRESS) -> Iterator[Fou
     """Yield each JSONL record (`_id`, `title`, `text`, other fields as metadata). A bad record is a failure under
     its _id; a line whose _id cannot be read is a failure under "line N" and blinds the crawl (nothing deleted).
     An _id on several lines is an error for that _id: every copy is rejected and its last good version stays."""
-    location = crawl.source.location
+    location = str(crawl.source.path)
     copies: Counter[str] = Counter()
     for _, raw in _lines(location):  # first pass: which _ids repeat
         record, _ = _decode(raw)
@@ -302,7 +302,7 @@ def _write_batch(conn: psycopg.Connection, crawl: Crawl, batch: list[Found], kno
                 with conn.transaction():
                     _merge(conn, crawl.source.source_id, [found])
             except psycopg.DataError as exc:
-                crawl.fail(found.locator, f"{crawl.source.location}: {found.locator}: cannot be stored: {exc}")
+                crawl.fail(found.locator, f"{crawl.source.path}: {found.locator}: cannot be stored: {exc}")
                 batch = [Found(found.locator, found.doc_format, 0, None, None, failed=True) if f is found else f
                          for f in batch]
     for f in batch:
@@ -318,10 +318,10 @@ def _deletions(crawl: Crawl, known: Known, allow_deletions: bool) -> list[str]:
     missing = sorted(loc for loc in known if loc not in crawl.seen and not crawl.hidden(loc))
     share = len(missing) / len(known) if known else 0.0
     if missing and share > crawl.source.max_deletion_share and not allow_deletions:
-        crawl.fail(crawl.source.location,
+        crawl.fail(str(crawl.source.path),
                    f"source {crawl.source.source_id!r}: this crawl would soft-delete {len(missing)} of {len(known)}"
                    f" live documents ({share:.0%}, more than the {crawl.source.max_deletion_share:.0%} allowed), so"
-                   f" it deleted none. Is {crawl.source.location} unmounted or truncated? If the documents really are"
+                   f" it deleted none. Is {crawl.source.path} unmounted or truncated? If the documents really are"
                    f" gone, run `kb ingest --source {crawl.source.source_id} --allow-deletions`")
         return []
     return missing
@@ -365,7 +365,7 @@ def extract(conn: psycopg.Connection, sources: list[Source], limits: Limits = Li
         try:
             crawl_source(conn, source, report, limits, allow_deletions, progress=progress)
         except OSError as exc:  # the source itself is out of reach: nothing changed, nothing deleted
-            failure = Failure(source.source_id, source.location, STAGE, f"cannot crawl source: {exc}")
+            failure = Failure(source.source_id, str(source.path), STAGE, f"cannot crawl source: {exc}")
             report.fail(failure)
             record_failure(conn, failure, None)
     return report.finish()

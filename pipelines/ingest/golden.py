@@ -18,6 +18,7 @@ import psycopg
 from pipelines.retrieval.responses import run_search
 from pipelines.retrieval.search import Filters
 from pipelines.settings import Settings
+from pipelines.sources.declarations import resolve_declared
 
 
 class GateFailed(RuntimeError):
@@ -48,9 +49,11 @@ def golden_cases(path: str, source_id: str) -> list[dict]:
 def golden_gate(conn: psycopg.Connection, settings: Settings, source_ids: list[str], k: int = 5) -> dict:
     """hit@5 of the golden queries these sources declare, searched as the operator (every group a declared source
     names). `applicable` is False when none of them declares a golden set (or its set holds no query about it)."""
-    rows = conn.execute("SELECT source_id, allowed_groups, golden_set FROM sources WHERE removed_at IS NULL").fetchall()
-    every_group = sorted({group for _, groups, _ in rows for group in groups or ()})
-    sets = {source_id: path for source_id, _, path in rows if source_id in source_ids and path}
+    rows = conn.execute("SELECT source_id, allowed_groups, golden_set, declared_in FROM sources"
+                        " WHERE removed_at IS NULL").fetchall()
+    every_group = sorted({group for _, groups, _, _ in rows for group in groups or ()})
+    sets = {source_id: str(resolve_declared(path, declared_in))
+            for source_id, _, path, declared_in in rows if source_id in source_ids and path}
     cases = [case for source_id, path in sorted(sets.items()) for case in golden_cases(path, source_id)]
     misses = []
     for case in cases:

@@ -22,7 +22,7 @@ from pipelines.ingest.file_metadata import file_metadata
 from pipelines.ingest.report import NO_PROGRESS, Progress, StageReport
 from pipelines.ingest.workers import Lost, isolated_map
 from pipelines.settings import Limits
-from pipelines.sources.declarations import OutsideSource, source_file
+from pipelines.sources.declarations import OutsideSource, resolve_declared, source_file
 
 STAGE = "parse"
 # Page furniture and empty shells carry no retrievable text.
@@ -145,7 +145,8 @@ def parse_file(path: str, doc_format: str, limits: Limits = Limits()) -> ParsedD
 
 
 PENDING = """
-SELECT d.document_id, d.locator, d.doc_format, d.content_hash, s.location, s.source_id, s.allow_outside_links
+SELECT d.document_id, d.locator, d.doc_format, d.content_hash, s.location, s.source_id, s.allow_outside_links,
+       s.declared_in
 FROM documents d JOIN sources s USING (source_id)
 WHERE d.deleted_at IS NULL AND d.doc_format <> 'record'
   AND d.parsed_hash IS DISTINCT FROM d.content_hash
@@ -176,7 +177,9 @@ def parse_pending(conn: psycopg.Connection, source_ids: list[str] | None = None,
     """Parse every document whose bytes changed since they were last parsed, in `workers` worker processes, a
     batch per transaction."""
     report = StageReport(STAGE, ("parsed", "elements"))
-    pending = conn.execute(PENDING, {"ids": source_ids}).fetchall()
+    pending = [(doc_id, locator, doc_format, content_hash, str(resolve_declared(location, declared_in)), source_id, allow)
+               for doc_id, locator, doc_format, content_hash, location, source_id, allow, declared_in
+               in conn.execute(PENDING, {"ids": source_ids}).fetchall()]
     progress.total(len(pending))
     for start in range(0, len(pending), batch_size):
         batch = pending[start:start + batch_size]

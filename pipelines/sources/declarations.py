@@ -10,6 +10,7 @@ row in `source_changes` saying who made it, when, and the declaration before and
 from __future__ import annotations
 
 import getpass
+import os
 import re
 import socket
 import tomllib
@@ -33,7 +34,7 @@ class DeclarationError(ValueError):
 class Source:
     source_id: str
     kind: str  # "folder" | "jsonl"
-    location: str  # absolute path of the folder or of the .jsonl file
+    location: str  # the folder or .jsonl file: absolute, or relative to the kb.toml that declares it (`path`)
     include: tuple[str, ...] = ()  # globs of files to take from a folder (empty: all)
     exclude: tuple[str, ...] = ()
     groups: tuple[str, ...] | None = None  # who may read its documents; None: every caller
@@ -43,6 +44,11 @@ class Source:
     max_deletion_share: float = 0.5  # a crawl that would soft-delete more of the live documents deletes none
     declared_in: str | None = None  # the config file that declares the source; None: the CLI
     golden_set: str | None = None  # JSONL of {"query", "document"} its refreshes must keep finding; None: no gate
+
+    @property
+    def path(self) -> Path:
+        """Where the source is on this machine."""
+        return resolve_declared(self.location, self.declared_in)
 
     def declaration(self) -> dict:
         """Everything that governs the source, as recorded in the audit trail and compared on re-declaration."""
@@ -67,6 +73,18 @@ def _from_row(row: tuple) -> Source:
     return Source(**values)
 
 
+def resolve_declared(path: str, declared_in: str | None) -> Path:
+    """A declared path (a location, a golden set) on this machine. An absolute path is used as it is. A path that
+    a kb.toml wrote relative to itself stays relative, and resolves against the folder of that file: KB_CONFIG's
+    when it is set (this machine's copy of the file), else the folder it was last applied from. So one kb.toml
+    kept in git serves checkouts and hosts that hold it, and the documents, at different paths."""
+    declared = Path(path)
+    if declared.is_absolute() or declared_in is None:
+        return declared
+    config = Path(os.environ["KB_CONFIG"]).expanduser() if os.environ.get("KB_CONFIG") else Path(declared_in)
+    return config.resolve().parent / declared
+
+
 def locate(path: str | Path) -> tuple[str, str]:
     """(kind, absolute location) of a source path: a folder, or a .jsonl file of records."""
     resolved = Path(path).expanduser().resolve()
@@ -83,14 +101,16 @@ def locate(path: str | Path) -> tuple[str, str]:
 def declare(name: str | None, path: str | Path, include=(), exclude=(), groups=None, freshness_hours=None,
             refresh_cron=None, allow_outside_links: bool = False, max_deletion_share: float = 0.5,
             declared_in: str | None = None, golden_set: str | Path | None = None) -> Source:
-    """A validated declaration; the name defaults to the folder or file name."""
-    kind, location = locate(path)
+    """A validated declaration; the name defaults to the folder or file name. Paths that a config file
+    (`declared_in`) gives relative to itself are kept relative to it; others are made absolute."""
+    kind, location = locate(resolve_declared(str(path), declared_in))
     name = name or Path(location).stem
+    location = _as_declared(path, location, declared_in)
     if not NAME.match(name):
         raise DeclarationError(f"source name {name!r}: use letters, digits, '.', '_' or '-' (at most 63 characters)")
     return Source(name, kind, location, tuple(include), tuple(exclude), normalise_groups(groups),
                   _positive(freshness_hours), _cron(refresh_cron), bool(allow_outside_links),
-                  _share(max_deletion_share), declared_in, _golden(golden_set))
+                  _share(max_deletion_share), declared_in, _golden(golden_set, declared_in))
 
 
 def normalise_groups(groups) -> tuple[str, ...] | None:
@@ -130,14 +150,20 @@ def _cron(expression: str | None) -> str | None:
     return expression
 
 
-def _golden(path: str | Path | None) -> str | None:
-    """The golden set's absolute path; it must be a file of JSON lines, each {"query", "document"}."""
+def _as_declared(path: str | Path, resolved: str, declared_in: str | None) -> str:
+    """What is stored for a declared path: as written when a config file gave it relative to itself, else absolute."""
+    written = Path(path).expanduser()
+    return os.path.normpath(written) if declared_in and not written.is_absolute() else resolved
+
+
+def _golden(path: str | Path | None, declared_in: str | None = None) -> str | None:
+    """The golden set as declared; it must be a file of JSON lines, each {"query", "document"}."""
     if path is None:
         return None
-    resolved = Path(path).expanduser().resolve()
+    resolved = resolve_declared(str(path), declared_in).expanduser().resolve()
     if not resolved.is_file():
         raise DeclarationError(f"golden_set {path}: no such file (a JSONL file of {{\"query\", \"document\"}} lines)")
-    return str(resolved)
+    return _as_declared(path, str(resolved), declared_in)
 
 
 def actor(entry: str) -> str:
@@ -223,11 +249,13 @@ def update_source(conn: psycopg.Connection, source_id: str, who: str, via_config
         stored, removed = _locked(conn, source_id)
         if stored is None or removed:
             raise DeclarationError(f"no source {source_id!r} is declared; see `kb source list`")
-        if stored.declared_in and stored.declared_in != via_config:
+        if stored.declared_in and via_config is None:
             raise DeclarationError(f"source {source_id!r} is declared in {stored.declared_in}: edit it there and run"
                               f" `kb source apply {stored.declared_in}`")
+        declared_in = changes.get("declared_in", stored.declared_in)
         if "location" in changes:
-            changes["kind"], changes["location"] = locate(changes["location"])
+            changes["kind"], resolved = locate(resolve_declared(str(changes["location"]), declared_in))
+            changes["location"] = _as_declared(changes["location"], resolved, declared_in)
         if "groups" in changes:
             changes["groups"] = normalise_groups(changes["groups"])
         if "freshness_hours" in changes:
@@ -237,7 +265,7 @@ def update_source(conn: psycopg.Connection, source_id: str, who: str, via_config
         if "max_deletion_share" in changes:
             changes["max_deletion_share"] = _share(changes["max_deletion_share"])
         if "golden_set" in changes:
-            changes["golden_set"] = _golden(changes["golden_set"])
+            changes["golden_set"] = _golden(changes["golden_set"], declared_in)
         for key in ("include", "exclude"):
             if key in changes:
                 changes[key] = tuple(changes[key])
@@ -255,7 +283,7 @@ def remove_source(conn: psycopg.Connection, source_id: str, who: str, via_config
         stored, removed = _locked(conn, source_id)
         if stored is None or removed:
             raise DeclarationError(f"no source {source_id!r} is declared; see `kb source list`")
-        if stored.declared_in and stored.declared_in != via_config:
+        if stored.declared_in and via_config is None:
             raise DeclarationError(f"source {source_id!r} is declared in {stored.declared_in}: delete it there and run"
                               f" `kb source apply --prune {stored.declared_in}`")
         deleted = conn.execute("SELECT kb_soft_delete_documents(%(id)s, ARRAY(SELECT locator FROM documents"
@@ -295,12 +323,10 @@ def read_config(path: str | Path) -> list[Source]:
         if unknown:
             raise DeclarationError(f"{path}: [sources.{name}] has unknown keys {sorted(unknown)}; known: {sorted(known)}")
         try:
-            declared.append(declare(name, config.parent / str(table["location"]), table.get("include", ()),
-                                    table.get("exclude", ()), table.get("groups"), table.get("freshness_hours"),
-                                    table.get("refresh_cron"), table.get("allow_outside_links", False),
-                                    table.get("max_deletion_share", 0.5), declared_in=str(config),
-                                    golden_set=config.parent / str(table["golden_set"]) if "golden_set" in table
-                                    else None))
+            declared.append(declare(name, str(table["location"]), table.get("include", ()), table.get("exclude", ()),
+                                    table.get("groups"), table.get("freshness_hours"), table.get("refresh_cron"),
+                                    table.get("allow_outside_links", False), table.get("max_deletion_share", 0.5),
+                                    declared_in=str(config), golden_set=table.get("golden_set")))
         except DeclarationError as exc:
             raise DeclarationError(f"{path}: [sources.{name}]: {exc}") from exc
     return declared
@@ -308,8 +334,9 @@ def read_config(path: str | Path) -> list[Source]:
 
 def apply_config(conn: psycopg.Connection, path: str | Path, who: str, prune: bool = False) -> dict:
     """Make the sources table match a config file: add what is new, update what changed, and (with prune)
-    remove the sources this file declared before and no longer does. A source declared elsewhere (the CLI or
-    another file) is never taken over silently."""
+    remove the sources this file declared before and no longer does. The same file applied from another checkout or
+    host is the same declaration: its relative paths stay relative, and only where it was applied from is
+    recorded. A source declared from the CLI is never taken over by a file."""
     declared = read_config(path)
     config = str(Path(path).expanduser().resolve())
     result: dict[str, list[str]] = {"added": [], "updated": [], "unchanged": [], "removed": [], "not_in_file": []}
@@ -318,10 +345,9 @@ def apply_config(conn: psycopg.Connection, path: str | Path, who: str, prune: bo
         if stored is None:
             add_source(conn, source, who)
             result["added"].append(source.source_id)
-        elif stored.declared_in != config:
-            where = stored.declared_in or "the CLI"
-            raise DeclarationError(f"{path}: source {source.source_id!r} is already declared from {where};"
-                              f" remove it there first (`kb source remove {source.source_id}`) or rename it here")
+        elif stored.declared_in is None:
+            raise DeclarationError(f"{path}: source {source.source_id!r} is already declared from the CLI; remove it"
+                              f" there first (`kb source remove {source.source_id}`) or rename it here")
         elif differences(stored, source):
             changes = {k: getattr(source, k) for k in differences(stored, source)}
             update_source(conn, source.source_id, who, via_config=config, **changes)
@@ -366,14 +392,14 @@ def source_for_ingest(conn: psycopg.Connection, path: str | Path, name: str | No
     if stored is None:
         add_source(conn, wanted, who)
         return wanted, True
-    asked = {"location": wanted.location}
+    asked = {"location": str(wanted.path)}
     if include:
         asked["include"] = list(wanted.include)
     if exclude:
         asked["exclude"] = list(wanted.exclude)
     if groups:
         asked["groups"] = list(wanted.groups or ())
-    declared = stored.declaration()
+    declared = {**stored.declaration(), "location": str(stored.path)}
     declared["groups"] = declared["groups"] or []
     clashes = [key for key, value in asked.items() if declared[key] != value]
     if clashes:

@@ -18,9 +18,18 @@ INDEX_TEMPLATE = SQL_DIR / "templates" / "vector_index.sql"
 DEFER_INDEX_MIN_ROWS = 2_000  # loads smaller than this go through the live index
 
 
+MAX_NAME = 63  # PostgreSQL cuts identifiers longer than this
+
+
 def table_name(model_key: str) -> str:
-    slug = re.sub(r"[^a-z0-9]+", "_", model_key.lower()).strip("_")
-    return f"vectors_{slug}"[:60]
+    """A readable table name per model; one too long to keep whole is cut and ends in a hash of the whole key,
+    so two long keys that share a prefix never share a table."""
+    from pipelines.ingest.hashing import hash_text
+
+    name = "vectors_" + re.sub(r"[^a-z0-9]+", "_", model_key.lower()).strip("_")
+    if len(name) <= MAX_NAME - 5:  # room for the index's "_hnsw"
+        return name
+    return f"{name[:MAX_NAME - 5 - 17]}_{hash_text(model_key)[:16]}"
 
 
 def ensure_vector_store(conn: psycopg.Connection, model_key: str, dimensions: int) -> str:
@@ -36,7 +45,8 @@ def ensure_vector_store(conn: psycopg.Connection, model_key: str, dimensions: in
         row = _registered(conn, model_key, dimensions)
         if row is not None:
             return row
-        conn.execute(TEMPLATE.read_text().format(table=table, dimensions=int(dimensions)))
+        conn.execute(sql.SQL(TEMPLATE.read_text()).format(table=sql.Identifier(table),
+                                                          dimensions=sql.Literal(int(dimensions))))
         active = conn.execute("SELECT count(*) FROM embedding_models WHERE state = 'active'").fetchone()[0]
         if not active:
             ensure_index(conn, table)  # it serves from its first vector; a model being built gets its index at activation
@@ -57,8 +67,8 @@ def _registered(conn: psycopg.Connection, model_key: str, dimensions: int) -> st
 
 def ensure_index(conn: psycopg.Connection, table: str) -> None:
     """Build the table's HNSW index if it is missing (after a deferred load, or one a crash interrupted)."""
-    conn.execute(INDEX_TEMPLATE.read_text().format(table=sql.Identifier(table).as_string(conn),
-                                                   index=sql.Identifier(f"{table}_hnsw").as_string(conn)))
+    conn.execute(sql.SQL(INDEX_TEMPLATE.read_text()).format(table=sql.Identifier(table),
+                                                            index=sql.Identifier(f"{table}_hnsw")))
 
 
 def defer_index(conn: psycopg.Connection, table: str, incoming: int) -> bool:
