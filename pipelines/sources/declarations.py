@@ -241,17 +241,24 @@ def _describe(source: Source, names: list[str]) -> str:
     return "; ".join(f"{name} is {declared[name]!r}" for name in names)
 
 
+def _changeable(conn: psycopg.Connection, source_id: str, via_config: str | None, fix: str) -> Source:
+    """The declared source, locked for a change; one declared in a config file changes only through a file
+    (`fix` says how, `{}` standing for the file)."""
+    stored, removed = _locked(conn, source_id)
+    if stored is None or removed:
+        raise DeclarationError(f"no source {source_id!r} is declared; see `kb source list`")
+    if stored.declared_in and via_config is None:
+        raise DeclarationError(f"source {source_id!r} is declared in {stored.declared_in}: "
+                               + fix.format(stored.declared_in))
+    return stored
+
+
 def update_source(conn: psycopg.Connection, source_id: str, who: str, via_config: str | None = None,
                   **changes) -> Source:
     """Change some fields of a declared source (a location change re-locates it). A source declared in a config
     file is changed only by applying that file."""
     with conn.transaction():
-        stored, removed = _locked(conn, source_id)
-        if stored is None or removed:
-            raise DeclarationError(f"no source {source_id!r} is declared; see `kb source list`")
-        if stored.declared_in and via_config is None:
-            raise DeclarationError(f"source {source_id!r} is declared in {stored.declared_in}: edit it there and run"
-                              f" `kb source apply {stored.declared_in}`")
+        stored = _changeable(conn, source_id, via_config, "edit it there and run `kb source apply {}`")
         declared_in = changes.get("declared_in", stored.declared_in)
         if "location" in changes:
             changes["kind"], resolved = locate(resolve_declared(str(changes["location"]), declared_in))
@@ -280,12 +287,7 @@ def remove_source(conn: psycopg.Connection, source_id: str, who: str, via_config
     """Stop serving a source: its documents are soft-deleted with their chunks (history kept) and it leaves
     every list; `add_source` with the same name brings it back. Returns how many documents were deleted."""
     with conn.transaction():
-        stored, removed = _locked(conn, source_id)
-        if stored is None or removed:
-            raise DeclarationError(f"no source {source_id!r} is declared; see `kb source list`")
-        if stored.declared_in and via_config is None:
-            raise DeclarationError(f"source {source_id!r} is declared in {stored.declared_in}: delete it there and run"
-                              f" `kb source apply --prune {stored.declared_in}`")
+        stored = _changeable(conn, source_id, via_config, "delete it there and run `kb source apply --prune {}`")
         deleted = conn.execute("SELECT kb_soft_delete_documents(%(id)s, ARRAY(SELECT locator FROM documents"
                                " WHERE source_id = %(id)s AND deleted_at IS NULL))", {"id": source_id}).fetchone()[0]
         conn.execute("UPDATE sources SET removed_at = now(), updated_at = now() WHERE source_id = %s", (source_id,))
