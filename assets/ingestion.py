@@ -12,6 +12,7 @@ transaction; every live chunk of the source fits the model and has a vector in t
 """
 
 import dagster as dg
+from pydantic import Field
 
 from assets.metadata import gate_metadata, stage_metadata
 from assets.partitions import sources
@@ -39,10 +40,13 @@ SEARCHABLE = dg.AssetCheckSpec("every_live_chunk_is_searchable", asset=PUBLISHED
 
 
 class CrawlConfig(dg.Config):
-    """Set allow_deletions to confirm that documents really are gone when a crawl would soft-delete more than the
-    source's max_deletion_share (without it, such a crawl deletes none)."""
+    """What the operator confirms for this run (the launchpad's run config; each defaults to no)."""
 
-    allow_deletions: bool = False
+    allow_deletions: bool = Field(default=False, description="documents really are gone: a crawl may soft-delete more than"
+                                                       " the source's max_deletion_share")
+    accept_new_root: bool = Field(default=False, description="the source's folder really is a new one (moved, remounted):"
+                                                       " record it and crawl it")
+    retry_failed: bool = Field(default=False, description="parse again the files whose unchanged bytes failed before")
 
 
 @dg.multi_asset(name="ingest_flow", specs=SPECS, check_specs=[GOLDEN, SEARCHABLE], can_subset=True,
@@ -51,7 +55,7 @@ class CrawlConfig(dg.Config):
 def ingest_flow(context: dg.AssetExecutionContext, kb: KnowledgeBase, config: CrawlConfig):
     """The selected stages of the flow over the partitions' sources, in one run that owns their locks."""
     from pipelines.ingest.golden import GateFailed
-    from pipelines.ingest.run import IngestRun
+    from pipelines.ingest.run import Confirmations, IngestRun
     from pipelines.sources.declarations import load_sources
 
     source_ids = sorted(context.partition_keys)
@@ -63,7 +67,8 @@ def ingest_flow(context: dg.AssetExecutionContext, kb: KnowledgeBase, config: Cr
                              " are left over and the source_partitions sensor will remove them")
         try:
             with IngestRun.open(conn, kb.settings, kb.embedder, source_ids, started_by="dagster",
-                                external_run_id=context.run_id, allow_deletions=config.allow_deletions) as run:
+                                external_run_id=context.run_id, confirmed=Confirmations(
+                                    config.allow_deletions, config.accept_new_root, config.retry_failed)) as run:
                 for stage in selected:
                     report = run.run_stage(stage)
                     for failure in report.failures:

@@ -169,15 +169,21 @@ def main(verbose: bool) -> None:
 @click.option("--allow-deletions", is_flag=True,
               help="Confirm that documents really are gone: soft-delete them even beyond the source's"
                    " max_deletion_share (a crawl that would delete more deletes none without this).")
+@click.option("--accept-new-root", is_flag=True,
+              help="Confirm that a source's folder really is a new one (moved or remounted): kb refuses to crawl a"
+                   " root that is not the folder it crawled before.")
+@click.option("--retry-failed", is_flag=True,
+              help="Parse again the files whose unchanged bytes failed before (otherwise reported, not retried).")
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable summary.")
-def ingest(paths, source_name, include, exclude, groups, allow_deletions, as_json) -> None:
+def ingest(paths, source_name, include, exclude, groups, allow_deletions, accept_new_root, retry_failed,
+           as_json) -> None:
     """Ingest declared sources: all of them, the one named by --source, or the folders and JSONL files given.
 
     A PATH that is not a declared source yet is declared from this command (with its --include, --exclude and
     --group). A declared source is ingested exactly as declared: giving it another location, globs or groups
     here is refused; change a declaration with `kb source update` or in its config file."""
     from pipelines.ingest.golden import GateFailed
-    from pipelines.ingest.run import EXIT_FILE_FAILURES, EXIT_GATE_FAILED, IngestRun
+    from pipelines.ingest.run import EXIT_FILE_FAILURES, EXIT_GATE_FAILED, Confirmations, IngestRun
     from pipelines.models.embedders import make_embedder
     from pipelines.sources.declarations import actor, get_source, load_sources, source_for_ingest
     from pipelines.storage.database import connect
@@ -207,8 +213,9 @@ def ingest(paths, source_name, include, exclude, groups, allow_deletions, as_jso
                 raise click.UsageError("no source is declared: `kb ingest PATH`, `kb source add` or `kb source apply`")
         embedder = make_embedder(settings)
         try:
+            confirmed = Confirmations(allow_deletions, accept_new_root, retry_failed)
             with IngestRun.open(conn, settings, embedder, source_ids, progress=_progress_factory(not as_json),
-                                allow_deletions=allow_deletions) as run:
+                                confirmed=confirmed) as run:
                 summary = run.run_all()
         except GateFailed as failed:
             _record_in_dagster(conn, settings, run, embedder)

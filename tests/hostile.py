@@ -74,7 +74,7 @@ def make_hostile(docs: Path, records: Path, outside: Path, scale: str = "test") 
     (docs / os.fsdecode(b"caf\xe9.md")).write_text("# Menu\n\nEspresso.\n")
     outside.parent.mkdir(parents=True, exist_ok=True)
     outside.write_text("root:$6$salt$secret-hash:19000:0:99999:7:::\n")
-    add("shadow.txt", "outside the source folder").symlink_to(outside)
+    add("shadow.txt", "is a symbolic link").symlink_to(outside)
     with open(add("huge.txt", "over the"), "wb") as huge:
         for _ in range(int(size["huge_mb"])):
             huge.write(b"A long line of log output that nobody needs. " * 23_000)

@@ -7,6 +7,6 @@ from pipelines.ingest.parse import _parse_task
 
 
 def parse_unless_stuck(task: tuple):
-    if task[1] == "handbook/leave-policy.md":
+    if task[2] == "handbook/leave-policy.md":  # (root, its identity, locator, ...)
         threading.Event().wait()
     return _parse_task(task)

@@ -89,8 +89,10 @@ def test_an_unmounted_or_emptied_source_deletes_nothing_until_confirmed(settings
     missing = kb_json("ingest", "--source", "samples", expect=3)
     assert missing["documents_deleted"] == 0 and "does not exist or is not mounted" in missing["errors"][0]["reason"]
 
-    samples_copy.mkdir()  # an empty mount point
-    emptied = kb_json("ingest", "--source", "samples", expect=3)
+    samples_copy.mkdir()  # an empty mount point: another folder than the one crawled before
+    replaced = kb_json("ingest", "--source", "samples", expect=3)
+    assert replaced["documents_deleted"] == 0 and "--accept-new-root" in replaced["errors"][0]["reason"]
+    emptied = kb_json("ingest", "--source", "samples", "--accept-new-root", expect=3)  # yes, it is the new folder
     assert emptied["documents_deleted"] == 0
     reason = emptied["errors"][0]["reason"]
     assert "would soft-delete 9 of 9 live documents" in reason and "--allow-deletions" in reason

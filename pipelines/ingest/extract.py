@@ -28,10 +28,11 @@ import psycopg
 from pipelines.ingest.elements import Element, ParsedDocument, without_nul, write_elements
 from pipelines.ingest.failures import Failure, record_failure
 from pipelines.ingest.formats import UnsupportedFormat, format_of
-from pipelines.ingest.hashing import hash_file, hash_text
+from pipelines.ingest.hashing import hash_stream, hash_text
 from pipelines.ingest.report import NO_PROGRESS, Progress, StageReport
 from pipelines.settings import Limits
-from pipelines.sources.declarations import Source, source_file
+from pipelines.sources.declarations import Source
+from pipelines.sources.files import RootChanged, host, identity, open_below, open_root
 from pipelines.storage import bulk
 
 STAGE = "extract"
@@ -55,6 +56,8 @@ class Crawl:
     source: Source
     report: StageReport
     limits: Limits
+    known_root: str | None = None  # the root's identity recorded on this host (None: not yet, or a new root accepted)
+    root_identity: str | None = None  # what this crawl opened
     seen: set[str] = field(default_factory=set)
     unseen: list[str] = field(default_factory=list)  # folder prefixes ("" = all) the crawl could not read
     blind: bool = False  # some record could not be identified: the crawl cannot tell what is missing
@@ -83,68 +86,74 @@ def _printable(name: str) -> str:
 
 
 def walk_folder(crawl: Crawl, known: Known, progress: Progress = NO_PROGRESS) -> Iterator[Found]:
-    """Yield the folder's files in a stable order; hidden files and folders are skipped, symlinked folders are
-    not followed. A folder that cannot be listed is recorded, and nothing stored under it is deleted. The folder is
-    listed first (cheap next to reading the files), so that progress knows the total."""
+    """Yield the folder's files in a stable order; hidden files and folders are skipped, links are not followed.
+    Everything is listed and opened below the root's own descriptor (pipelines/sources/files.py), so a file swapped
+    for a link, or a root replaced by another folder, is never read. A folder that cannot be listed is recorded,
+    and nothing stored under it is deleted. The folder is listed first (cheap next to reading the files), so that
+    progress knows the total."""
     source = crawl.source
     root = source.path
     if not root.is_dir():
         raise FileNotFoundError(f"source {source.source_id!r}: folder {root} does not exist or is not mounted")
 
     def unreadable(exc: OSError) -> None:
-        relpath = Path(exc.filename).relative_to(root).as_posix() if exc.filename else "."
+        relpath = os.path.normpath(exc.filename) if exc.filename else "."
         prefix = "" if relpath == "." else _printable(relpath) + "/"
         crawl.unseen.append(prefix)
-        crawl.fail(prefix or ".", f"cannot read folder {_printable(str(exc.filename))}: {exc.strerror};"
+        crawl.fail(prefix or ".", f"cannot read folder {_printable(str(root / relpath))}: {exc.strerror};"
                                   " documents stored under it are kept")
 
-    listed: list[tuple[Path, str]] = []
-    for dirpath, dirnames, filenames in os.walk(root, onerror=unreadable):
-        dirnames[:] = sorted(d for d in dirnames if not d.startswith("."))
-        for name in sorted(f for f in filenames if not f.startswith(".")):
-            path = Path(dirpath) / name
-            relpath = path.relative_to(root).as_posix()
-            if not _selected(relpath, source):
-                continue
-            if _printable(relpath) != relpath:  # not valid UTF-8: it cannot be named, stored or searched
-                crawl.fail(_printable(relpath), f"{_printable(str(path))}: the file name is not valid UTF-8;"
-                                                " rename the file")
-                continue
-            listed.append((path, relpath))
-    progress.total(len(listed))
-    for path, relpath in listed:
-        try:
-            yield _inspect_file(source_file(str(root), relpath, source.allow_outside_links), relpath,
-                                known.get(relpath), crawl.limits)
-        except (OSError, UnsupportedFormat, ValueError) as exc:
-            reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
-            crawl.fail(relpath, f"cannot read {path}: {reason}" if isinstance(exc, OSError) else f"{path}: {reason}")
-            yield Found(relpath, "", 0, None, None, failed=True)
+    with open_root(root, crawl.known_root) as root_fd:
+        crawl.root_identity = identity(root_fd)
+        listed: list[str] = []
+        for dirpath, dirnames, filenames, _ in os.fwalk(".", dir_fd=root_fd, onerror=unreadable):
+            dirnames[:] = sorted(d for d in dirnames if not d.startswith("."))
+            for name in sorted(f for f in filenames if not f.startswith(".")):
+                relpath = os.path.normpath(os.path.join(dirpath, name))
+                if not _selected(relpath, source):
+                    continue
+                if _printable(relpath) != relpath:  # not valid UTF-8: it cannot be named, stored or searched
+                    crawl.fail(_printable(relpath), f"{_printable(str(root / relpath))}: the file name is not valid"
+                                                    " UTF-8; rename the file")
+                    continue
+                listed.append(relpath)
+        progress.total(len(listed))
+        for relpath in listed:
+            try:
+                yield _inspect_file(root_fd, root, relpath, known.get(relpath), crawl)
+            except (OSError, UnsupportedFormat, ValueError) as exc:
+                reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+                crawl.fail(relpath, f"cannot read {root / relpath}: {reason}" if isinstance(exc, OSError)
+                           else f"{root / relpath}: {reason}")
+                yield Found(relpath, "", 0, None, None, failed=True)
 
 
-def _inspect_file(path: Path, relpath: str, stored: tuple[int, datetime | None, str] | None, limits: Limits) -> Found:
-    doc_format = format_of(path)
-    stat = path.stat()
-    mtime = datetime.fromtimestamp(stat.st_mtime, tz=timezone.utc)
-    if stat.st_size == 0:
-        raise ValueError("empty file (0 bytes)")
-    if stat.st_size > limits.max_file_mb * 1e6:
-        raise ValueError(f"the file is {stat.st_size / 1e6:.1f} MB, over the {limits.max_file_mb:g} MB limit"
-                         " (KB_MAX_FILE_MB)")
-    if stored is not None and stored[:2] == (stat.st_size, mtime):
-        return Found(relpath, doc_format, stat.st_size, mtime, None)
-    digest, size = hash_file(str(path))
+def _inspect_file(root_fd: int, root: Path, relpath: str, stored: tuple[int, datetime | None, str] | None,
+                  crawl: Crawl) -> Found:
+    fd = open_below(root_fd, relpath, root, crawl.source.allow_outside_links)
+    with open(fd, "rb", closefd=True) as handle:
+        doc_format = format_of(relpath)
+        st = os.fstat(fd)
+        mtime = datetime.fromtimestamp(st.st_mtime, tz=timezone.utc)
+        if st.st_size == 0:
+            raise ValueError("empty file (0 bytes)")
+        if st.st_size > crawl.limits.max_file_mb * 1e6:
+            raise ValueError(f"the file is {st.st_size / 1e6:.1f} MB, over the {crawl.limits.max_file_mb:g} MB limit"
+                             " (KB_MAX_FILE_MB)")
+        if stored is not None and stored[:2] == (st.st_size, mtime):
+            return Found(relpath, doc_format, st.st_size, mtime, None)
+        digest, size = hash_stream(handle)
     return Found(relpath, doc_format, size, mtime, digest)
 
 
 _SALVAGE_ID = re.compile(rb'"_id"\s*:\s*(?:"((?:[^"\\]|\\.)*)"|(-?\d+))')
 
 
-def _lines(path: str) -> Iterator[tuple[int, bytes]]:
-    with open(path, "rb") as handle:
-        for line_no, raw in enumerate(handle, 1):
-            if raw.strip():
-                yield line_no, raw
+def _lines(handle) -> Iterator[tuple[int, bytes]]:
+    handle.seek(0)
+    for line_no, raw in enumerate(handle, 1):
+        if raw.strip():
+            yield line_no, raw
 
 
 def _decode(raw: bytes) -> tuple[dict | None, str | None]:
@@ -208,15 +217,23 @@ def read_records(crawl: Crawl, progress: Progress = NO_PROGRESS) -> Iterator[Fou
     """Yield each JSONL record (`_id`, `title`, `text`, other fields as metadata). A bad record is a failure under
     its _id; a line whose _id cannot be read is a failure under "line N" and blinds the crawl (nothing deleted).
     An _id on several lines is an error for that _id: every copy is rejected and its last good version stays."""
-    location = str(crawl.source.path)
+    path = crawl.source.path
+    location = str(path)
+    with open_root(path.parent, crawl.known_root) as root_fd:  # the file is opened below its folder, like a file
+        crawl.root_identity = identity(root_fd)                 # of a folder source, never through a link
+        with open(open_below(root_fd, path.name, path.parent, crawl.source.allow_outside_links), "rb") as handle:
+            yield from _records(crawl, handle, location, progress)
+
+
+def _records(crawl: Crawl, handle, location: str, progress: Progress) -> Iterator[Found]:
     copies: Counter[str] = Counter()
-    for _, raw in _lines(location):  # first pass: which _ids repeat
+    for _, raw in _lines(handle):  # first pass: which _ids repeat
         record, _ = _decode(raw)
         if (locator := _identity(raw, record)) is not None:
             copies[locator] += 1
     progress.total(len(copies))  # one item per _id, however many lines carry it
     lines_of: dict[str, list[int]] = {}
-    for line_no, raw in _lines(location):
+    for line_no, raw in _lines(handle):
         record, problem = _decode(raw)
         locator = _identity(raw, record)
         if locator is None:
@@ -328,9 +345,13 @@ def _deletions(crawl: Crawl, known: Known, allow_deletions: bool) -> list[str]:
 
 
 def crawl_source(conn: psycopg.Connection, source: Source, report: StageReport, limits: Limits,
-                 allow_deletions: bool = False, batch_size: int = 500, progress: Progress = NO_PROGRESS) -> None:
-    """Crawl one source: upsert what changed, soft-delete what disappeared, all in one transaction."""
-    crawl = Crawl(source, report, limits)
+                 allow_deletions: bool = False, batch_size: int = 500, progress: Progress = NO_PROGRESS,
+                 accept_new_root: bool = False) -> None:
+    """Crawl one source: upsert what changed, soft-delete what disappeared, all in one transaction. The root's
+    identity is recorded at the first crawl on this host and must match afterwards, unless a new root is accepted."""
+    known_root = None if accept_new_root else conn.execute(
+        "SELECT root_identities ->> %s FROM sources WHERE source_id = %s", (host(), source.source_id)).fetchone()[0]
+    crawl = Crawl(source, report, limits, known_root=known_root)
     with conn.transaction():
         known = _known_documents(conn, source.source_id)
         found = walk_folder(crawl, known, progress) if source.kind == "folder" else read_records(crawl, progress)
@@ -353,17 +374,27 @@ def crawl_source(conn: psycopg.Connection, source: Source, report: StageReport, 
         # A crawl failure that did not happen again is fixed (a record's line repaired, a file removed).
         conn.execute("DELETE FROM failures WHERE source_id = %s AND stage = %s AND NOT locator = ANY(%s)"
                      " AND NOT locator ^@ ANY(%s)", (source.source_id, STAGE, sorted(crawl.failed), crawl.unseen))
-        conn.execute("UPDATE sources SET last_crawled_at = now() WHERE source_id = %s", (source.source_id,))
+        conn.execute("UPDATE sources SET last_crawled_at = now(), root_identities = root_identities"
+                     " || jsonb_build_object(%s::text, %s::text) WHERE source_id = %s",
+                     (host(), crawl.root_identity, source.source_id))
         conn.execute("UPDATE documents SET stale_since = NULL WHERE source_id = %s AND stale_since IS NOT NULL",
                      (source.source_id,))
 
 
 def extract(conn: psycopg.Connection, sources: list[Source], limits: Limits = Limits(),
-            allow_deletions: bool = False, progress: Progress = NO_PROGRESS) -> StageReport:
+            allow_deletions: bool = False, progress: Progress = NO_PROGRESS,
+            accept_new_root: bool = False) -> StageReport:
     report = StageReport(STAGE, ("seen", "new", "changed", "unchanged", "deleted"))
     for source in sources:
         try:
-            crawl_source(conn, source, report, limits, allow_deletions, progress=progress)
+            crawl_source(conn, source, report, limits, allow_deletions, progress=progress,
+                         accept_new_root=accept_new_root)
+        except RootChanged as exc:  # nothing changed, nothing deleted, until the operator confirms the new root
+            failure = Failure(source.source_id, str(source.path), STAGE,
+                              f"cannot crawl source: {exc.strerror}. If the folder really moved there, run `kb ingest"
+                              f" --source {source.source_id} --accept-new-root`")
+            report.fail(failure)
+            record_failure(conn, failure, None)
         except OSError as exc:  # the source itself is out of reach: nothing changed, nothing deleted
             failure = Failure(source.source_id, str(source.path), STAGE, f"cannot crawl source: {exc}")
             report.fail(failure)

@@ -37,14 +37,15 @@ def _extract(run: "IngestRun", progress: Progress) -> StageReport:
     from pipelines.ingest.extract import extract
     from pipelines.sources.declarations import load_sources
 
-    return extract(run.conn, load_sources(run.conn, run.source_ids), run.settings.limits, run.allow_deletions, progress)
+    return extract(run.conn, load_sources(run.conn, run.source_ids), run.settings.limits,
+                   run.confirmed.allow_deletions, progress, run.confirmed.accept_new_root)
 
 
 def _parse(run: "IngestRun", progress: Progress) -> StageReport:
     from pipelines.ingest.parse import parse_pending
 
     return parse_pending(run.conn, run.source_ids, progress=progress, workers=run.settings.parse_workers,
-                         limits=run.settings.limits)
+                         limits=run.settings.limits, retry_failed=run.confirmed.retry_failed)
 
 
 def _chunk(run: "IngestRun", progress: Progress) -> StageReport:

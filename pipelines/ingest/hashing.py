@@ -1,5 +1,7 @@
 """Content hashes: xxh3-128, fast enough to hash every byte of every file on every crawl."""
 
+from typing import BinaryIO
+
 import xxhash
 
 
@@ -11,12 +13,16 @@ def hash_text(text: str) -> str:
     return xxhash.xxh3_128_hexdigest(text.encode("utf-8"))
 
 
-def hash_file(path: str, block_size: int = 1 << 20) -> tuple[str, int]:
-    """Hash a file in blocks so a large file never sits in memory; returns (hash, bytes read)."""
+def hash_stream(handle: BinaryIO, block_size: int = 1 << 20) -> tuple[str, int]:
+    """Hash an open file in blocks so a large file never sits in memory; returns (hash, bytes read)."""
     digest = xxhash.xxh3_128()
     size = 0
-    with open(path, "rb") as handle:
-        while block := handle.read(block_size):
-            digest.update(block)
-            size += len(block)
+    while block := handle.read(block_size):
+        digest.update(block)
+        size += len(block)
     return digest.hexdigest(), size
+
+
+def hash_file(path: str) -> tuple[str, int]:
+    with open(path, "rb") as handle:
+        return hash_stream(handle)

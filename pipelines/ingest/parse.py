@@ -2,14 +2,22 @@
 
 unstructured is imported lazily (it pulls spaCy and friends); `offline_spacy()` points its sentence model at
 the pip-installed copy so that parsing never tries to download one at run time. Files are parsed in worker
-processes (pipelines/ingest/workers.py) under a time and a memory limit, after a check of what a zip-based office file
-expands to, so that one hostile file costs that file and never the run.
+processes (pipelines/ingest/workers.py) under a time and a memory limit, after a check of what a zip-based office
+file expands to, so that one hostile file costs that file and never the run. A worker reads the file once, below
+the source root and without following links (pipelines/sources/files.py), checks that the bytes are the ones the
+crawl hashed, and parses those bytes. Plain text is split into paragraphs by kb itself, in linear time and
+memory (unstructured's text partitioner tokenizes every paragraph: a 229 KB one-paragraph file took 1.3 GB).
+
+A file that failed to parse is not parsed again while its bytes are unchanged: the failure is reported from the
+record (`failures`), until the file changes or the run is asked to retry (`kb ingest --retry-failed`).
 """
 
 from __future__ import annotations
 
 import importlib
+import io
 import os
+import re
 import zipfile
 from functools import lru_cache
 from pathlib import Path
@@ -22,7 +30,9 @@ from pipelines.ingest.file_metadata import file_metadata
 from pipelines.ingest.report import NO_PROGRESS, Progress, StageReport
 from pipelines.ingest.workers import Lost, isolated_map
 from pipelines.settings import Limits
-from pipelines.sources.declarations import OutsideSource, resolve_declared, source_file
+from pipelines.ingest.hashing import hash_bytes
+from pipelines.sources.declarations import resolve_declared
+from pipelines.sources.files import NotARegularFile, OutsideSource, host, read_below
 
 STAGE = "parse"
 # Page furniture and empty shells carry no retrievable text.
@@ -51,12 +61,12 @@ def offline_spacy() -> None:
     tokenize._get_nlp.cache_clear()
 
 
-# format -> (module, function, extra arguments) of unstructured's partitioners; imported on first use.
+# format -> (module, function, extra arguments) of unstructured's partitioners; imported on first use. Plain
+# text is kb's own (plain_text_elements).
 PARTITIONERS = {
     "pdf": ("unstructured.partition.pdf", "partition_pdf", {"strategy": "fast"}),
     "html": ("unstructured.partition.html", "partition_html", {}),
     "md": ("unstructured.partition.md", "partition_md", {}),
-    "txt": ("unstructured.partition.text", "partition_text", {}),
     "docx": ("unstructured.partition.docx", "partition_docx", {}),
     "pptx": ("unstructured.partition.pptx", "partition_pptx", {}),
     "xlsx": ("unstructured.partition.xlsx", "partition_xlsx", {}),
@@ -65,13 +75,34 @@ PARTITIONERS = {
 }
 
 
-def _partition(path: str, doc_format: str) -> list:
+def _partition(data: bytes, name: str, doc_format: str) -> list:
     if doc_format not in PARTITIONERS:
         raise ParseError(f"no parser for format {doc_format!r}")
     offline_spacy()
     module, function, extra = PARTITIONERS[doc_format]
     partition = getattr(importlib.import_module(module), function)
-    return partition(filename=path, languages=["eng"], **extra)
+    return partition(file=io.BytesIO(data), metadata_filename=name, languages=["eng"], **extra)
+
+
+_PARAGRAPH_BREAK = re.compile(r"\n[ \t\r\f\v]*\n")
+_SENTENCE_END = (".", "!", "?", ":", ";", ",")
+
+
+def plain_text_elements(data: bytes) -> list[Element]:
+    """Paragraphs of a plain-text file (or log), split on blank lines in one pass. A single short line without a
+    sentence's end, followed by more text, is a heading, as unstructured would read it."""
+    paragraphs = [p.strip() for p in _PARAGRAPH_BREAK.split(without_nul(data.decode("utf-8", "replace")))]
+    paragraphs = [p for p in paragraphs if p]
+    elements, heading = [], None
+    for i, paragraph in enumerate(paragraphs):
+        is_heading = ("\n" not in paragraph and len(paragraph.split()) <= 12 and not paragraph.endswith(_SENTENCE_END)
+                      and i + 1 < len(paragraphs))
+        if is_heading:
+            heading = paragraph
+            elements.append(Element("Title", paragraph, depth=0, section_path=[paragraph]))
+        else:
+            elements.append(Element("NarrativeText", paragraph, section_path=[heading] if heading else []))
+    return elements
 
 
 def to_elements(raw: list) -> list[Element]:
@@ -98,13 +129,13 @@ def to_elements(raw: list) -> list[Element]:
     return elements
 
 
-def check_expansion(path: str, doc_format: str, limit_mb: float) -> None:
+def check_expansion(data: bytes, doc_format: str, limit_mb: float) -> None:
     """Refuse an office file whose archive expands past the limit, before any parser inflates it (zip bombs).
     The sizes come from the archive's directory, and zipfile never inflates a member past its declared size."""
     if doc_format not in ZIP_FORMATS:
         return
     try:
-        with zipfile.ZipFile(path) as archive:
+        with zipfile.ZipFile(io.BytesIO(data)) as archive:
             expanded = sum(member.file_size for member in archive.infolist())
     except (zipfile.BadZipFile, OSError) as exc:
         raise ParseError(f"cannot parse as {doc_format}: not a valid {doc_format} (zip) file: {exc}") from exc
@@ -113,12 +144,11 @@ def check_expansion(path: str, doc_format: str, limit_mb: float) -> None:
                          " (KB_MAX_UNZIPPED_MB)")
 
 
-def check_text(path: str, doc_format: str) -> None:
+def check_text(data: bytes, doc_format: str) -> None:
     """Refuse a text file that is binary: a few stray NUL bytes are dropped from the text, many mean it is not text."""
     if doc_format not in TEXT_FORMATS:
         return
-    with open(path, "rb") as handle:
-        head = handle.read(1 << 16)
+    head = data[:1 << 16]
     share = head.count(0) / max(len(head), 1)
     if share > BINARY_NUL_SHARE:
         raise ParseError(f"not a text file: {share:.0%} of its first bytes are NUL (binary data, or UTF-16 text;"
@@ -126,28 +156,35 @@ def check_text(path: str, doc_format: str) -> None:
 
 
 def parse_file(path: str, doc_format: str, limits: Limits = Limits()) -> ParsedDocument:
-    """Parse one file; raises ParseError with the reason when it yields no text."""
-    check_expansion(path, doc_format, limits.max_unzipped_mb)
-    check_text(path, doc_format)
+    """Parse the file at `path` (tools and tests; the parse stage reads files below their source root)."""
+    return parse_bytes(Path(path).read_bytes(), Path(path).name, doc_format, limits)
+
+
+def parse_bytes(data: bytes, name: str, doc_format: str, limits: Limits = Limits()) -> ParsedDocument:
+    """Parse one file's bytes (`name` is its file name); raises ParseError with the reason when it yields no text."""
+    check_expansion(data, doc_format, limits.max_unzipped_mb)
+    check_text(data, doc_format)
     try:
-        raw = _partition(path, doc_format)
+        elements = plain_text_elements(data) if doc_format == "txt" else to_elements(_partition(data, name, doc_format))
     except ParseError:
         raise
     except Exception as exc:  # unstructured and its parsers raise many types for corrupt files
         raise ParseError(f"cannot parse as {doc_format}: {type(exc).__name__}: {exc}".strip()) from exc
-    elements = to_elements(raw)
     if not elements:
-        raise ParseError(f"parsed to no text (the {doc_format} file has {os.path.getsize(path)} bytes but no extractable text)")
-    metadata = file_metadata(path, doc_format)
+        raise ParseError(f"parsed to no text (the {doc_format} file has {len(data)} bytes but no extractable text)")
+    metadata = file_metadata(data, doc_format)
     first_title = next((e.text for e in elements if e.category == "Title"), None)
-    title = metadata.pop("title", None) or first_title or Path(path).stem
+    title = metadata.pop("title", None) or first_title or Path(name).stem
     return ParsedDocument(elements, title, metadata)
 
 
+# Documents whose bytes changed since they were last parsed, with the failure recorded for these very bytes, if any.
 PENDING = """
 SELECT d.document_id, d.locator, d.doc_format, d.content_hash, s.location, s.source_id, s.allow_outside_links,
-       s.declared_in
+       s.declared_in, s.root_identities ->> %(host)s, f.reason, f.recorded_at
 FROM documents d JOIN sources s USING (source_id)
+LEFT JOIN failures f ON f.source_id = d.source_id AND f.locator = d.locator AND f.stage = 'parse'
+                    AND f.content_hash = d.content_hash
 WHERE d.deleted_at IS NULL AND d.doc_format <> 'record'
   AND d.parsed_hash IS DISTINCT FROM d.content_hash
   AND (%(ids)s::text[] IS NULL OR d.source_id = ANY(%(ids)s))
@@ -161,33 +198,45 @@ def warm_worker() -> None:
     importlib.import_module("unstructured.partition.text")
 
 
-def _parse_task(task: tuple[str, str, bool, str, Limits]) -> ParsedDocument | str:
+def _parse_task(task: tuple) -> ParsedDocument | str:
     """A worker's unit of work: the parsed document, or the reason it failed (exceptions stay in the worker)."""
-    location, locator, allow_outside_links, doc_format, limits = task
+    root, known_root, locator, allow_outside_links, doc_format, limits, content_hash = task
     try:
-        return parse_file(str(source_file(location, locator, allow_outside_links)), doc_format, limits)
-    except (ParseError, OutsideSource, OSError) as exc:
-        return str(exc)
+        data = read_below(Path(root), known_root, locator, allow_outside_links, limits.max_file_mb * 1e6)
+        if hash_bytes(data) != content_hash:
+            return "the file changed after this run crawled it; the next run reads it again"
+        return parse_bytes(data, Path(locator).name, doc_format, limits)
+    except (ParseError, OutsideSource, NotARegularFile, OSError, ValueError) as exc:
+        return str(exc.strerror if isinstance(exc, OSError) and exc.strerror else exc)
     except Exception as exc:  # a parser bug must cost this file only
         return f"cannot parse as {doc_format}: {type(exc).__name__}: {exc}"
 
 
 def parse_pending(conn: psycopg.Connection, source_ids: list[str] | None = None, batch_size: int = 16,
-                  progress: Progress = NO_PROGRESS, workers: int = 1, limits: Limits = Limits()) -> StageReport:
+                  progress: Progress = NO_PROGRESS, workers: int = 1, limits: Limits = Limits(),
+                  retry_failed: bool = False) -> StageReport:
     """Parse every document whose bytes changed since they were last parsed, in `workers` worker processes, a
-    batch per transaction."""
-    report = StageReport(STAGE, ("parsed", "elements"))
-    pending = [(doc_id, locator, doc_format, content_hash, str(resolve_declared(location, declared_in)), source_id, allow)
-               for doc_id, locator, doc_format, content_hash, location, source_id, allow, declared_in
-               in conn.execute(PENDING, {"ids": source_ids}).fetchall()]
+    batch per transaction. A document whose same bytes failed before is reported again from its record and not
+    parsed (a zip bomb or a parser-hanging file costs nothing on later runs), unless `retry_failed`."""
+    report = StageReport(STAGE, ("parsed", "elements", "failed_before"))
+    pending = []
+    for (doc_id, locator, doc_format, content_hash, location, source_id, allow, declared_in, known_root,
+         reason, failed_at) in conn.execute(PENDING, {"ids": source_ids, "host": host()}).fetchall():
+        if reason is not None and not retry_failed:
+            report.counts["failed_before"] += 1
+            report.fail(Failure(source_id, locator, STAGE, f"{reason} (unchanged since it failed on"
+                                f" {failed_at:%Y-%m-%d %H:%M} UTC; not parsed again: `kb ingest --retry-failed`)"))
+            continue
+        root = str(resolve_declared(location, declared_in))
+        pending.append((doc_id, locator, doc_format, content_hash, root, source_id, allow, known_root))
     progress.total(len(pending))
     for start in range(0, len(pending), batch_size):
         batch = pending[start:start + batch_size]
-        tasks = [(location, locator, allow, doc_format, limits)
-                 for _, locator, doc_format, _, location, _, allow in batch]
+        tasks = [(root, known_root, locator, allow, doc_format, limits, content_hash)
+                 for _, locator, doc_format, content_hash, root, _, allow, known_root in batch]
         parsed, failed = [], []
         results = isolated_map(_parse_task, tasks, workers, limits.parse_timeout_s, limits.parse_memory_mb, warm_worker)
-        for (doc_id, locator, _, content_hash, location, source_id, _), result in zip(batch, results):
+        for (doc_id, locator, _, content_hash, location, source_id, _, _), result in zip(batch, results):
             if isinstance(result, ParsedDocument):
                 parsed.append((doc_id, content_hash, result, source_id, locator))
             else:

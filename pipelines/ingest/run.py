@@ -80,21 +80,31 @@ def _no_progress(stage: str) -> Progress:
     return NO_PROGRESS
 
 
+@dataclass(frozen=True)
+class Confirmations:
+    """What the operator confirmed for this run (`kb ingest` flags, Dagster run config)."""
+
+    allow_deletions: bool = False  # documents really are gone: a crawl may delete more than max_deletion_share
+    accept_new_root: bool = False  # the source's root really is a new folder: record it and crawl it
+    retry_failed: bool = False  # parse again files whose unchanged bytes failed before
+
+
 class IngestRun:
     """One run of the flow over some sources, recorded in `ingest_runs`. Open it with `IngestRun.open`."""
 
     def __init__(self, conn: psycopg.Connection, settings: Settings, embedder: Embedder, source_ids: list[str],
-                 run_id: int, progress: ProgressFactory, allow_deletions: bool):
+                 run_id: int, progress: ProgressFactory, confirmed: "Confirmations"):
         self.conn, self.settings, self.embedder = conn, settings, embedder
         self.source_ids, self.run_id, self.progress = source_ids, run_id, progress
-        self.allow_deletions = allow_deletions  # confirmed: a crawl may delete more than max_deletion_share
+        self.confirmed = confirmed
         self.ran: list[str] = []
 
     @classmethod
     @contextmanager
     def open(cls, conn: psycopg.Connection, settings: Settings, embedder: Embedder,
              source_ids: list[str] | None = None, *, started_by: str = "cli", external_run_id: str | None = None,
-             progress: ProgressFactory = _no_progress, allow_deletions: bool = False) -> Iterator["IngestRun"]:
+             progress: ProgressFactory = _no_progress, confirmed: "Confirmations | None" = None
+             ) -> Iterator["IngestRun"]:
         """A run over these sources (every declared source when None), holding their locks until it has finished.
         A run of an orchestrator (one Dagster run id) is one row, however many times it is opened."""
         ids = sorted(source_ids or [s.source_id for s in load_sources(conn)])
@@ -105,7 +115,7 @@ class IngestRun:
                 "   SELECT array_agg(DISTINCT s) FROM unnest(ingest_runs.sources || excluded.sources) s),"
                 "   finished_at = NULL"
                 " RETURNING run_id", (ids, started_by, external_run_id)).fetchone()[0]
-            run = cls(conn, settings, embedder, ids, run_id, progress, allow_deletions)
+            run = cls(conn, settings, embedder, ids, run_id, progress, confirmed or Confirmations())
             try:
                 yield run
             except BaseException as exc:
@@ -177,9 +187,9 @@ def _outcome(exc: BaseException) -> str:
 
 
 def ingest(conn: psycopg.Connection, embedder: Embedder, settings: Settings, source_ids: list[str] | None = None,
-           progress: ProgressFactory = _no_progress, allow_deletions: bool = False,
+           progress: ProgressFactory = _no_progress, confirmed: Confirmations | None = None,
            started_by: str = "cli") -> IngestSummary:
     """Run every stage over the given sources (all declared sources when None), as `kb ingest` does."""
     with IngestRun.open(conn, settings, embedder, source_ids, started_by=started_by, progress=progress,
-                        allow_deletions=allow_deletions) as run:
+                        confirmed=confirmed) as run:
         return run.run_all()

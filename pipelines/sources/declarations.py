@@ -280,6 +280,8 @@ def update_source(conn: psycopg.Connection, source_id: str, who: str, via_config
         if differences(stored, updated):
             _write(conn, updated)
             _audit(conn, source_id, who, "update", stored, updated)
+        if updated.path != stored.path:  # a declared move: the next crawl records the new root's identity
+            conn.execute("UPDATE sources SET root_identities = '{}' WHERE source_id = %s", (source_id,))
     return updated
 
 
@@ -364,24 +366,6 @@ def apply_config(conn: psycopg.Connection, path: str | Path, who: str, prune: bo
         else:
             result["not_in_file"].append(stale.source_id)
     return result
-
-
-class OutsideSource(ValueError):
-    pass
-
-
-def source_file(location: str, relpath: str, allow_outside_links: bool = False) -> Path:
-    """The file at `relpath` in a source folder. A path that resolves outside the folder (a symlink, `..`) is
-    refused unless the source's declaration allows it: a source must never expose files it does not hold.
-    Checked when the folder is walked and again when the file is opened for parsing."""
-    root = Path(location)
-    path = root / relpath
-    if not allow_outside_links:
-        target = path.resolve()
-        if not target.is_relative_to(root.resolve()):
-            raise OutsideSource(f"resolves to {target}, outside the source folder {root}"
-                                " (a source declared with allow_outside_links may follow such links)")
-    return path
 
 
 def source_for_ingest(conn: psycopg.Connection, path: str | Path, name: str | None, include=(), exclude=(),

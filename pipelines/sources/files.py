@@ -1,0 +1,125 @@
+"""Opening files inside a source, so that no file outside it is ever read.
+
+A path is never checked and then opened again by name: a writer could swap the file for a symbolic link in
+between. Instead every file is opened once, component by component below the source root's own descriptor, with
+O_NOFOLLOW (a symbolic link anywhere on the way is refused, not followed) and O_NONBLOCK (a named pipe cannot
+hang the run), and must be a regular file; whatever reads it (the hash at extract, the parser) reads that
+descriptor. The root itself is opened by its declared path and its identity (device and inode) compared with the
+one recorded when the source was first crawled on this host: a root replaced by another folder, or by a link to
+one, is refused and nothing is read or deleted.
+
+A source that declares `allow_outside_links` opts out: its files are opened by path, following links.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import socket
+import stat
+from contextlib import contextmanager
+from pathlib import Path, PurePosixPath
+from typing import Iterator
+
+DIRECTORY = os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC
+READ_NO_LINKS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+
+
+class OutsideSource(ValueError):
+    """A path that would lead outside the source (a symbolic link, `..`), refused."""
+
+
+class NotARegularFile(ValueError):
+    """A pipe, device, socket or folder where a document file was expected."""
+
+
+class RootChanged(OSError):
+    """The source's root is not the folder (or file) this host crawled before."""
+
+
+def host() -> str:
+    return socket.gethostname()
+
+
+def identity(fd: int) -> str:
+    """Device and inode of an open file: what a swapped-in folder or link cannot fake."""
+    st = os.fstat(fd)
+    return f"{st.st_dev}:{st.st_ino}"
+
+
+@contextmanager
+def open_root(path: Path, known: str | None) -> Iterator[int]:
+    """The source root's folder, opened; `known` is its identity recorded on this host (None: not yet)."""
+    try:
+        fd = os.open(path, DIRECTORY)
+    except NotADirectoryError:
+        raise FileNotFoundError(errno.ENOENT, f"{path} is not a folder", str(path)) from None
+    try:
+        if known is not None and identity(fd) != known:
+            raise RootChanged(errno.EXDEV, f"{path} is not the folder kb crawled before: it was replaced, or is a"
+                                           " link to another folder now; nothing was read or deleted", str(path))
+        yield fd
+    finally:
+        os.close(fd)
+
+
+def open_below(root_fd: int, relpath: str, root: Path, follow_links: bool = False) -> int:
+    """A descriptor of the regular file at `relpath` below the open root, reached without following a link."""
+    parts = PurePosixPath(relpath).parts
+    if not parts or any(part in ("", ".", "..") for part in parts) or PurePosixPath(relpath).is_absolute():
+        raise OutsideSource(f"{relpath!r} is not a path inside the source")
+    if follow_links:
+        fd = os.open(root / relpath, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    else:
+        fd = _open_without_links(root_fd, parts)
+    try:
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            raise NotARegularFile("not a regular file (a folder, pipe, device or socket); kb reads files only")
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def _open_without_links(root_fd: int, parts: tuple[str, ...]) -> int:
+    opened: list[int] = []
+    parent, part = root_fd, parts[0]
+    try:
+        for part in parts[:-1]:
+            parent = os.open(part, DIRECTORY | os.O_NOFOLLOW, dir_fd=parent)
+            opened.append(parent)
+        part = parts[-1]
+        return os.open(part, READ_NO_LINKS, dir_fd=parent)
+    except OSError as exc:
+        # O_NOFOLLOW meets a link as ELOOP (the file) or ENOTDIR (a folder on the way, with O_DIRECTORY)
+        if exc.errno == errno.ELOOP or (exc.errno == errno.ENOTDIR and _is_link(part, parent)):
+            raise OutsideSource("is a symbolic link (or lies below one), which kb does not follow: a source never"
+                                " reads what a link points at (a source declared with allow_outside_links follows"
+                                " links)") from None
+        raise
+    finally:
+        for fd in opened:
+            os.close(fd)
+
+
+def _is_link(name: str, dir_fd: int) -> bool:
+    try:
+        return stat.S_ISLNK(os.stat(name, dir_fd=dir_fd, follow_symlinks=False).st_mode)
+    except OSError:
+        return False
+
+
+def read_all(fd: int, limit_bytes: float) -> bytes:
+    """The whole file behind `fd` (closed after), refused past the limit (it may have grown since it was listed)."""
+    with open(fd, "rb", closefd=True) as handle:
+        data = handle.read(int(limit_bytes) + 1)
+    if len(data) > limit_bytes:
+        raise ValueError(f"the file is over the {limit_bytes / 1e6:g} MB limit (KB_MAX_FILE_MB)")
+    return data
+
+
+def read_below(root: Path, known_root: str | None, relpath: str, follow_links: bool, limit_bytes: float) -> bytes:
+    """The bytes of the file at `relpath` in the source folder `root`, read as `open_below` opens it."""
+    with open_root(root, known_root) as root_fd:
+        return read_all(open_below(root_fd, relpath, root, follow_links), limit_bytes)
