@@ -11,6 +11,7 @@ from fastapi.testclient import TestClient
 from pipelines.ingest.run import ingest
 from pipelines.models.embedders import make_embedder
 from pipelines.serving.api import create_app
+from pipelines.serving.bounds import BODY_BYTES, MAX_CLAIMS, Limits
 from pipelines.settings import SAMPLES_DIR, load_settings
 from pipelines.sources.declarations import add_source, declare
 
@@ -52,7 +53,8 @@ def test_filter_by_source(client):
 INVALID = [
     ("/v1/knowledge/search", {}),
     ("/v1/knowledge/search", {"q": ""}),
-    ("/v1/knowledge/search", {"q": "x", "k": 21}),
+    ("/v1/knowledge/search", {"q": "x", "k": 101}),
+    ("/v1/knowledge/search", {"q": "x" * 2001}),
     ("/v1/knowledge/search", {"q": "x", "k": 0}),
     ("/v1/knowledge/search", {"q": "x", "mode": "everything"}),
     ("/v1/knowledge/search", {"q": "x", "lexical_weight": 2}),
@@ -170,3 +172,125 @@ def test_citations_are_valid_weak_or_invalid(client):
     assert [c["status"] for c in result["citations"]] == ["VALID", "WEAK", "INVALID"]
     assert result["summary"] == {"VALID": 1, "WEAK": 1, "INVALID": 1}
     assert client.post("/v1/citations/validate", json={"claims": "nope"}).status_code == 422
+
+
+def within(seconds: float, call):
+    """call() on a thread; fails the test (instead of hanging it) when it does not return in time."""
+    result: list = []
+    thread = threading.Thread(target=lambda: result.append(call()), daemon=True)
+    thread.start()
+    thread.join(seconds)
+    assert result, f"no answer within {seconds} s"
+    return result[0]
+
+
+def test_requests_over_a_bound_are_refused_before_any_work(client):
+    """Issue 18 (a): size bounds, tripped by size. 20,000 claims once cost 100 s of CPU; now a body over 1 MiB is
+    a 413 whether it declares its length or streams it, and each field over its limit a one-line 422."""
+    big = {"claims": [], "retrieved": list(range(200_000))}  # about 1.3 MB, cheap for the old code to accept
+    response = client.post("/v1/citations/validate", json=big)
+    assert response.status_code == 413 and f"at most {BODY_BYTES} bytes" in response.json()["detail"]
+    streamed = client.post("/v1/citations/validate", headers={"Content-Type": "application/json"},
+                           content=iter([b'{"claims": [], "retrieved": [' + b"1," * 600_000, b"1]}"]))
+    assert streamed.status_code == 413
+    claim = {"text": "A primary caregiver gets 20 weeks of leave.", "citations": [1]}
+    for body, field, limit in (({"claims": [claim] * (MAX_CLAIMS + 1), "retrieved": [1]}, "claims", "200 items"),
+                               ({"claims": [{**claim, "text": "x" * 8001}], "retrieved": [1]}, "text", "8000 char")):
+        response = client.post("/v1/citations/validate", json=body)
+        detail = response.json()["detail"]
+        assert response.status_code == 422 and field in detail and limit in detail and "\n" not in detail, detail
+    detail = client.get("/v1/knowledge/search", params={"q": "x", "k": 101}).json()["detail"]
+    assert detail == "query.k: Input should be less than or equal to 100"
+    assert client.get("/v1/knowledge/search", params={"q": "leave", "k": 100}).status_code == 200  # as kb search
+
+
+def test_a_flood_of_citation_checks_cannot_starve_search_or_health(client, monkeypatch):
+    """Issue 18 (a): 10 citation checks held inside the server (a hook pauses the real validator) once took all 8
+    pooled connections, so searches waited 30 s and failed and /health said the database was down. Now the
+    citations lane holds them: the ones it has no room for are a prompt 503, search and /health answer."""
+    from pipelines.answers import citations
+
+    real, release, entered = citations.validate_citations, threading.Event(), threading.Semaphore(0)
+
+    def held(*args, **kwargs):
+        entered.release()
+        assert release.wait(60), "never released"
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(citations, "validate_citations", held)
+    body = {"claims": [{"text": "Leave is 20 weeks.", "citations": [1]}], "retrieved": [1]}
+    responses: list = []
+    posts = [threading.Thread(target=lambda: responses.append(client.post("/v1/citations/validate", json=body)))
+             for _ in range(10)]
+    try:
+        for post in posts:
+            post.start()
+        deadline = time.monotonic() + 30
+        while len(responses) < 8 and time.monotonic() < deadline:  # the lane's 2 slots hold, 8 are turned away
+            time.sleep(0.05)
+        assert len(responses) == 8, f"{len(responses)} of the 8 requests beyond the citations lane were answered"
+        assert all(r.status_code == 503 and "busy, retry" in r.json()["detail"] for r in responses)
+        assert entered.acquire(timeout=1) and entered.acquire(timeout=1) and not entered.acquire(timeout=0)
+        search = within(10, lambda: client.get("/v1/knowledge/search", params={"q": "parental leave"}))
+        assert search.status_code == 200 and search.json()["chunks"]
+        health = within(10, lambda: client.get("/health"))
+        assert health.status_code == 200 and health.json()["status"] == "ok"
+    finally:
+        release.set()
+        for post in posts:
+            post.join(60)
+    assert [r.status_code for r in responses[8:]] == [200, 200]
+
+
+def test_a_statement_over_the_time_budget_is_a_503(settings, ingested, conn):
+    """The per-request budget, tripped by a held lock rather than by a slow machine: the search waits on it, the
+    database cancels the statement at the budget, the caller gets a 503 that says so."""
+    with TestClient(create_app(settings, limits=Limits(budget_s=0.2))) as fast:
+        with conn.transaction():
+            conn.execute("LOCK TABLE embedding_models IN ACCESS EXCLUSIVE MODE")
+            response = within(30, lambda: fast.get("/v1/knowledge/search", params={"q": "leave"}))
+        assert response.status_code == 503 and "time budget" in response.json()["detail"]
+        assert fast.get("/v1/knowledge/search", params={"q": "leave"}).status_code == 200  # the lane recovers
+
+
+def test_a_malformed_authorization_header_is_a_401(client):
+    """Issue 18 (b): a caller that sent credentials is never served as anonymous."""
+    for authorization in ("Basic dXNlcjpwYXNzd29yZA==", "Bearer", "Bearer  ", "Token kb_x_y", "kb_x_y"):
+        response = client.get("/v1/knowledge/search", params={"q": "leave"}, headers={"Authorization": authorization})
+        assert response.status_code == 401 and "Bearer <key>" in response.json()["detail"], authorization
+        assert response.headers["WWW-Authenticate"] == "Bearer"
+
+
+def test_an_empty_or_conflicting_key_header_is_a_401(client, conn):
+    from pipelines.serving.access import create_key
+
+    _, token = create_key(conn, "reader", [], "tests")
+    for headers in ({"X-API-Key": ""}, {"X-API-Key": token, "Authorization": "Bearer kb_other_key"}):
+        assert client.get("/v1/knowledge/search", params={"q": "leave"}, headers=headers).status_code == 401
+    both = {"X-API-Key": token, "Authorization": f"Bearer {token}"}
+    assert client.get("/v1/knowledge/search", params={"q": "leave"}, headers=both).status_code == 200
+
+
+def test_health_fails_when_the_serving_model_cannot_serve(settings, client, conn):
+    """Issue 18 (c): the database answering is not enough; the active model must be able to serve a query."""
+    from psycopg import sql
+
+    model, table = conn.execute("SELECT model_key, vector_table FROM embedding_models WHERE state = 'active'").fetchone()
+    assert client.get("/health").json() == {"status": "ok", "database": "ok", "model": model,
+                                            "version": client.app.version}
+    # The configured query embedder (384-d) no longer matches the dimension the model is registered with:
+    conn.execute(sql.SQL("TRUNCATE {}").format(sql.Identifier(table)))
+    conn.execute(sql.SQL("ALTER TABLE {} ALTER COLUMN embedding TYPE vector(768)").format(sql.Identifier(table)))
+    conn.execute("UPDATE embedding_models SET dimensions = 768 WHERE model_key = %s", (model,))
+    mismatch = client.get("/health")
+    conn.execute("UPDATE embedding_models SET dimensions = 512 WHERE model_key = %s", (model,))
+    registered = client.get("/health")
+    conn.execute(sql.SQL("DROP TABLE {}").format(sql.Identifier(table)))
+    missing = client.get("/health")
+    conn.execute("UPDATE embedding_models SET state = 'retired'")
+    empty = client.get("/health")
+    for response, words in ((mismatch, "queries embed to 384 dimensions, the model is registered with 768"),
+                            (registered, "registered with 512 dimensions, its vector table holds 768"),
+                            (missing, f"vector table {table} is missing"), (empty, "knowledge base is empty")):
+        assert response.status_code == 503 and response.json()["status"] == "unavailable", response.text
+        assert response.json()["database"] == "ok" and words in response.json()["problem"], response.text

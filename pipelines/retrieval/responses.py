@@ -51,6 +51,30 @@ def _reranker(settings: Settings):
     return _rerankers[key]
 
 
+def serving_problem(conn: psycopg.Connection, settings: Settings) -> tuple[str | None, str | None]:
+    """(the active model, why it cannot serve a query, or None when it can). The database answering is not
+    enough for /health: a model whose vector table is gone, or whose queries would embed to another dimension
+    than its stored vectors, fails every search."""
+    row = conn.execute("SELECT model_key, dimensions, vector_table FROM embedding_models WHERE state = 'active'").fetchone()
+    if row is None:
+        return None, "the knowledge base is empty: run `kb ingest` first"
+    model, dimensions, table = row
+    stored = conn.execute("SELECT a.atttypmod FROM pg_attribute a JOIN pg_class c ON c.oid = a.attrelid"
+                          " WHERE c.relname = %s AND pg_table_is_visible(c.oid) AND a.attname = 'embedding'"
+                          " AND NOT a.attisdropped", (table,)).fetchone()
+    if stored is None:
+        return model, f"the model's vector table {table} is missing"
+    if stored[0] != dimensions:
+        return model, f"the model is registered with {dimensions} dimensions, its vector table holds {stored[0]}"
+    try:
+        queries = _query_embedder(model, settings).dimensions
+    except Exception as exc:  # noqa: BLE001 - unknown model, unreachable endpoint: it cannot embed queries
+        return model, f"cannot embed queries for the model ({type(exc).__name__})"
+    if queries != dimensions:
+        return model, f"queries embed to {queries} dimensions, the model is registered with {dimensions}"
+    return model, None
+
+
 def query_embedder(conn: psycopg.Connection, settings: Settings) -> Embedder:
     """The embedder of the model being served: queries must be embedded in the vector space search reads."""
     return _query_embedder(_serving_model(conn), settings)

@@ -5,30 +5,59 @@ GET /                                                      a search console for 
 
 Access is decided here, not by the caller: a request's key (`Authorization: Bearer <key>` or `X-API-Key: <key>`,
 created with `kb keys create`) carries the groups it may read; `groups=` can only narrow them. A request without a
-key reads public sources only (or is refused when the server runs with require_key). A wrong or revoked key is a
-401, never a fall-back to public.
+key reads public sources only (or is refused when the server runs with require_key). A wrong or revoked key, or an
+Authorization header that is not `Bearer <key>`, is a 401, never a fall-back to public.
+
+Every request is bounded in size, time and concurrency (pipelines/serving/bounds.py).
 """
 
 from __future__ import annotations
 
-from contextlib import asynccontextmanager
+import logging
+from collections.abc import Callable
+from contextlib import ExitStack, asynccontextmanager
 from datetime import datetime
 from importlib import resources
 from importlib.metadata import version
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Literal, TypeVar
 
+import psycopg
 from fastapi import Depends, FastAPI, HTTPException, Query, Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.openapi.docs import get_swagger_ui_html
 from fastapi.responses import HTMLResponse, JSONResponse
 from fastapi.security import APIKeyHeader, HTTPAuthorizationCredentials, HTTPBearer
 from fastapi.staticfiles import StaticFiles
 from pydantic import BaseModel, Field
 
-from pipelines.retrieval.responses import EmptyKnowledgeBase, run_citation_check, run_search
+from pipelines.retrieval.responses import (
+    EmptyKnowledgeBase,
+    run_citation_check,
+    run_search,
+    serving_problem,
+)
 from pipelines.retrieval.search import Filters, visible_sources
 from pipelines.serving.access import AccessDenied, ApiKey, authenticate, caller_groups
+from pipelines.serving.bounds import (
+    MAX_CITATIONS_PER_CLAIM,
+    MAX_CLAIM_CHARS,
+    MAX_CLAIMS,
+    MAX_GROUPS,
+    MAX_K,
+    MAX_NAME_CHARS,
+    MAX_QUERY_CHARS,
+    MAX_RETRIEVED,
+    BodyLimit,
+    Lane,
+    Limits,
+    one_line_422,
+    set_budget,
+)
 from pipelines.settings import Settings, load_settings
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 CONSOLE = Path(__file__).parent / "console" / "index.html"
 KB_VERSION = version("kb")
@@ -87,30 +116,35 @@ def _text(value: str | None) -> str | None:
     return value
 
 
+Name = Annotated[str, Field(max_length=MAX_NAME_CHARS)]
+
+
 class AnswerRequest(BaseModel):
-    question: str = Field(min_length=1, max_length=2000)
+    question: str = Field(min_length=1, max_length=MAX_QUERY_CHARS)
     k: int = Field(5, ge=1, le=20, description="Contexts given to the answer.")
     mode: Literal["chunks", "qa_first", "qa_only"] = "qa_first"
-    source_id: str | None = None
-    groups: list[str] | None = Field(None, description="Read as only these of the key's groups.")
+    source_id: Name | None = None
+    groups: list[Name] | None = Field(None, max_length=MAX_GROUPS, description="Read as only these of the key's groups.")
     as_of: datetime | None = None
     hyde: bool = Field(False, description="Search with the embedding of a hypothetical answer (needs a chat model).")
     compress: bool = Field(False, description="Keep only the context sentences that bear on the question.")
 
 
 class Claim(BaseModel):
-    text: str = Field(min_length=1)
-    citations: list[int]
+    text: str = Field(min_length=1, max_length=MAX_CLAIM_CHARS)
+    citations: list[int] = Field(max_length=MAX_CITATIONS_PER_CLAIM)
 
 
 class CitationRequest(BaseModel):
-    claims: list[Claim]
-    retrieved: list[int] = Field(description="Chunk ids of the retrieval set the answer was written from.")
-    groups: list[str] | None = Field(None, description="Read as only these of the key's groups.")
+    claims: list[Claim] = Field(max_length=MAX_CLAIMS)
+    retrieved: list[int] = Field(max_length=MAX_RETRIEVED,
+                                 description="Chunk ids of the retrieval set the answer was written from.")
+    groups: list[Name] | None = Field(None, max_length=MAX_GROUPS, description="Read as only these of the key's groups.")
 
 
-def create_app(settings: Settings | None = None, require_key: bool = False) -> FastAPI:
+def create_app(settings: Settings | None = None, require_key: bool = False, limits: Limits | None = None) -> FastAPI:
     settings = settings or load_settings()
+    limits = limits or Limits()
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -120,31 +154,60 @@ def create_app(settings: Settings | None = None, require_key: bool = False) -> F
 
         with connect(settings):  # starts the embedded server if needed and migrates once
             pass
-        with ConnectionPool(database_url(settings), min_size=1, max_size=8, kwargs={"autocommit": True},
-                            configure=_configure) as pool:
-            app.state.pool = pool
+        url = database_url(settings)
+        with ExitStack() as stack:
+            lanes = {}
+            for name in ("search", "answers", "citations"):
+                size = getattr(limits, name)
+                pool = stack.enter_context(ConnectionPool(
+                    url, min_size=1 if name == "search" else 0, max_size=size, name=f"kb-{name}",
+                    kwargs={"autocommit": True}, configure=lambda conn: _configure(conn, limits.budget_s)))
+                lanes[name] = Lane(name, size, limits.wait_s, lambda pool=pool: pool.connection(timeout=limits.wait_s))
+            lanes["health"] = Lane("health", limits.health, limits.wait_s)
+            app.state.lanes = lanes
             yield
 
     app = FastAPI(title="kb search API", version=KB_VERSION, lifespan=lifespan, docs_url=None,
                   description="Hybrid retrieval (pgvector + BM25, weighted RRF) over the kb knowledge base.")
+    app.add_middleware(BodyLimit)
+    app.add_exception_handler(RequestValidationError, one_line_422)
     # Swagger UI 5 (it renders OpenAPI 3.1, which FastAPI writes) from the fastapi-swagger package, not a CDN:
     # /docs works with no network.
     app.mount("/static/swagger", StaticFiles(directory=str(resources.files("fastapi_swagger") / "resources")),
               name="swagger")
     bearer, header = HTTPBearer(auto_error=False), APIKeyHeader(name="X-API-Key", auto_error=False)
 
-    def caller(request: Request, credentials: HTTPAuthorizationCredentials | None = Depends(bearer),
-               header_key: str | None = Depends(header)) -> ApiKey | None:
-        token = header_key or (credentials.credentials if credentials else None)
+    def unauthorized(detail: str) -> HTTPException:
+        return HTTPException(status_code=401, detail=detail, headers={"WWW-Authenticate": "Bearer"})
+
+    async def caller_token(request: Request, _bearer: HTTPAuthorizationCredentials | None = Depends(bearer),
+                           _header: str | None = Depends(header)) -> str | None:
+        """The key a request carries, read from the raw headers (the security dependencies only document them):
+        a header that is present but does not hold a key is a 401, so a caller that meant to authenticate is
+        never served as anonymous."""
+        authorization, api_key = request.headers.get("authorization"), request.headers.get("x-api-key")
+        token = None
+        if authorization is not None:
+            scheme, _, value = authorization.strip().partition(" ")
+            if scheme.lower() != "bearer" or not value.strip():
+                raise unauthorized("malformed Authorization header: expected 'Bearer <key>'")
+            token = value.strip()
+        if api_key is not None:
+            if not api_key.strip():
+                raise unauthorized("empty X-API-Key header")
+            if token is not None and token != api_key.strip():
+                raise unauthorized("Authorization and X-API-Key carry different keys")
+            token = api_key.strip()
+        if token is None and require_key:
+            raise unauthorized("this server requires an API key")
+        return token
+
+    def key_for(conn: psycopg.Connection, token: str | None) -> ApiKey | None:
         if token is None:
-            if require_key:
-                raise HTTPException(status_code=401, detail="this server requires an API key",
-                                    headers={"WWW-Authenticate": "Bearer"})
             return None
-        with request.app.state.pool.connection() as conn:
-            key = authenticate(conn, token)
+        key = authenticate(conn, token)
         if key is None:
-            raise HTTPException(status_code=401, detail="invalid or revoked API key", headers={"WWW-Authenticate": "Bearer"})
+            raise unauthorized("invalid or revoked API key")
         return key
 
     def groups_for(key: ApiKey | None, requested: list[str] | None) -> list[str]:
@@ -153,13 +216,24 @@ def create_app(settings: Settings | None = None, require_key: bool = False) -> F
         except AccessDenied as exc:
             raise HTTPException(status_code=403, detail=str(exc)) from exc
 
+    async def in_lane(request: Request, lane: str, token: str | None,
+                      work: Callable[[psycopg.Connection, ApiKey | None], T]) -> T:
+        """work(conn, caller's key) in the endpoint class's lane; the key is checked on the lane's connection."""
+        def authenticated(conn: psycopg.Connection) -> T:
+            try:
+                return work(conn, key_for(conn, token))
+            except EmptyKnowledgeBase as exc:
+                raise HTTPException(status_code=409, detail=str(exc)) from exc
+
+        return await request.app.state.lanes[lane].run(authenticated)
+
     @app.get("/v1/knowledge/search", response_model=SearchResponse, response_model_exclude_unset=True)
-    def knowledge_search(
+    async def knowledge_search(
         request: Request,
-        key: ApiKey | None = Depends(caller),
-        q: str = Query(..., min_length=1, max_length=2000, description="The query text."),
-        k: int = Query(5, ge=1, le=20, description="How many chunks to return."),
-        source_id: str | None = Query(None, description="Only chunks from this source."),
+        token: str | None = Depends(caller_token),
+        q: str = Query(..., min_length=1, max_length=MAX_QUERY_CHARS, description="The query text."),
+        k: int = Query(5, ge=1, le=MAX_K, description="How many chunks to return."),
+        source_id: str | None = Query(None, max_length=MAX_NAME_CHARS, description="Only chunks from this source."),
         mode: Literal["chunks", "qa_first", "qa_only"] = Query("chunks"),
         arm: Literal["hybrid", "dense", "lexical"] = Query("hybrid", description="Both arms fused, or one alone."),
         debug: bool = Query(False, description="Explain the ranking: the query's class and weight, each chunk's"
@@ -168,23 +242,24 @@ def create_app(settings: Settings | None = None, require_key: bool = False) -> F
                                                                          " (default: the query classifier's)."),
         as_of: datetime | None = Query(None, description="Search the knowledge base as it was at this time."),
         exact_first: bool = Query(True, description="Chunks holding a code the query asks about come first."),
-        groups: str | None = Query(None, description="Comma-separated: read as only these of the key's groups."),
+        groups: str | None = Query(None, max_length=MAX_QUERY_CHARS,
+                                   description="Comma-separated: read as only these of the key's groups."),
         diversity: float = Query(0.0, ge=0, le=1, description="MMR diversity over the candidates (0: off)."),
         freshness: float = Query(0.0, ge=0, le=10, description="Boost for recent documents (0: off)."),
     ) -> dict:
         _text(q), _text(source_id), _text(groups)
         requested = None if groups is None else [g.strip() for g in groups.split(",") if g.strip()]
-        filters = Filters(source_id=source_id, groups=groups_for(key, requested), as_of=as_of)
-        with request.app.state.pool.connection() as conn:
-            try:
-                return run_search(conn, settings, q, k, arm=arm, lexical_weight=lexical_weight, filters=filters,
-                                  debug=debug, mode=mode, diversity=diversity, freshness=freshness,
-                                  exact_first=exact_first)
-            except EmptyKnowledgeBase as exc:
-                raise HTTPException(status_code=409, detail=str(exc)) from exc
+
+        def work(conn: psycopg.Connection, key: ApiKey | None) -> dict:
+            filters = Filters(source_id=source_id, groups=groups_for(key, requested), as_of=as_of)
+            return run_search(conn, settings, q, k, arm=arm, lexical_weight=lexical_weight, filters=filters,
+                              debug=debug, mode=mode, diversity=diversity, freshness=freshness, exact_first=exact_first)
+
+        return await in_lane(request, "search", token, work)
 
     @app.post("/v1/knowledge/answer")
-    def knowledge_answer(request: Request, body: AnswerRequest, key: ApiKey | None = Depends(caller)) -> dict:
+    async def knowledge_answer(request: Request, body: AnswerRequest,
+                               token: str | None = Depends(caller_token)) -> dict:
         """An answer whose every sentence cites its sources as [document, section], each citation checked (VALID,
         WEAK; sentences with an INVALID citation are removed and listed), or "not found in the documents" with the
         closest sources."""
@@ -192,32 +267,30 @@ def create_app(settings: Settings | None = None, require_key: bool = False) -> F
         from pipelines.models.chat import ChatNotConfigured
 
         _text(body.question), _text(body.source_id)
-        filters = Filters(source_id=body.source_id, groups=groups_for(key, body.groups), as_of=body.as_of)
-        with request.app.state.pool.connection() as conn:
+
+        def work(conn: psycopg.Connection, key: ApiKey | None) -> dict:
+            filters = Filters(source_id=body.source_id, groups=groups_for(key, body.groups), as_of=body.as_of)
             try:
                 return answer_question(conn, settings, body.question, body.k, mode=body.mode, filters=filters,
                                        hyde=body.hyde, compress=body.compress)
-            except EmptyKnowledgeBase as exc:
-                raise HTTPException(status_code=409, detail=str(exc)) from exc
             except ChatNotConfigured as exc:
                 raise HTTPException(status_code=422, detail=str(exc)) from exc
 
+        return await in_lane(request, "answers", token, work)
+
     @app.get("/v1/sources")
-    def readable_sources(request: Request, key: ApiKey | None = Depends(caller)) -> dict:
+    async def readable_sources(request: Request, token: str | None = Depends(caller_token)) -> dict:
         """The sources this caller may read (the console's source filter)."""
-        with request.app.state.pool.connection() as conn:
-            return {"sources": sorted(visible_sources(conn, groups_for(key, None)))}
+        return await in_lane(request, "search", token,
+                             lambda conn, key: {"sources": sorted(visible_sources(conn, groups_for(key, None)))})
 
     @app.post("/v1/citations/validate")
-    def validate(request: Request, body: CitationRequest, key: ApiKey | None = Depends(caller)) -> dict:
+    async def validate(request: Request, body: CitationRequest, token: str | None = Depends(caller_token)) -> dict:
         """Each cited chunk: VALID (supports the claim), WEAK (retrieved, weak support) or INVALID (not retrieved,
         or not a live chunk the caller may read)."""
-        groups = groups_for(key, body.groups)
-        with request.app.state.pool.connection() as conn:
-            try:
-                return run_citation_check(conn, settings, [c.model_dump() for c in body.claims], body.retrieved, groups)
-            except EmptyKnowledgeBase as exc:
-                raise HTTPException(status_code=409, detail=str(exc)) from exc
+        claims = [c.model_dump() for c in body.claims]
+        return await in_lane(request, "citations", token, lambda conn, key: run_citation_check(
+            conn, settings, claims, body.retrieved, groups_for(key, body.groups)))
 
     @app.get("/", response_class=HTMLResponse, include_in_schema=False)
     def console() -> str:
@@ -231,24 +304,37 @@ def create_app(settings: Settings | None = None, require_key: bool = False) -> F
                                    swagger_favicon_url="/static/swagger/favicon-32x32.png")
 
     @app.get("/health")
-    def health(request: Request) -> JSONResponse:
-        """Liveness and readiness: the database answers and a model serves (503 otherwise)."""
-        from pipelines.storage.vectors import active_model
-
-        try:
-            with request.app.state.pool.connection(timeout=5) as conn:
-                model = active_model(conn)
-        except Exception as exc:  # any failure to reach the database is "not ready"
-            return JSONResponse({"status": "unavailable", "database": f"{type(exc).__name__}: {exc}",
-                                 "version": KB_VERSION}, status_code=503)
-        return JSONResponse({"status": "ok", "database": "ok", "model": model, "version": KB_VERSION})
+    async def health(request: Request) -> JSONResponse:
+        """Liveness and readiness: 200 only when the database answers and the active model can serve a query
+        (its vectors are there, and queries embed to its dimensions); 503 otherwise, with the reason. It opens its
+        own connection in its own lane, so a busy search or citations lane cannot make it report the database
+        down, and a stale pooled connection cannot make it report the database up."""
+        return await request.app.state.lanes["health"].call(lambda: _health(settings, limits.budget_s))
 
     return app
 
 
-def _configure(conn) -> None:
+def _health(settings: Settings, budget_s: float) -> JSONResponse:
+    from pipelines.storage.database import database_url
+
+    try:
+        with psycopg.connect(database_url(settings), autocommit=True, connect_timeout=5) as conn:
+            set_budget(conn, min(budget_s, 5))
+            model, problem = serving_problem(conn, settings)
+    except Exception as exc:  # noqa: BLE001 - unreachable is "not ready"; the detail goes to the log
+        log.warning("health: database unavailable: %s", exc)
+        return JSONResponse({"status": "unavailable", "database": f"unavailable ({type(exc).__name__})",
+                             "version": KB_VERSION}, status_code=503)
+    if problem:
+        return JSONResponse({"status": "unavailable", "database": "ok", "model": model, "problem": problem,
+                             "version": KB_VERSION}, status_code=503)
+    return JSONResponse({"status": "ok", "database": "ok", "model": model, "version": KB_VERSION})
+
+
+def _configure(conn: psycopg.Connection, budget_s: float) -> None:
     from pgvector.psycopg import register_vector
     from psycopg.types.json import JsonbDumper
 
     register_vector(conn)
     conn.adapters.register_dumper(dict, JsonbDumper)
+    set_budget(conn, budget_s)
