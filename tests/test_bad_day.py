@@ -137,6 +137,24 @@ def test_a_broken_line_or_blanked_record_keeps_its_last_version(settings, tmp_pa
     assert fixed["documents_deleted"] == 1 and live_texts(settings, "r4") == [] and failing() == {}
 
 
+def test_a_record_nested_hundreds_of_levels_deep_fails_alone(settings, tmp_path):
+    """600 levels used to stop the whole run (RecursionError, exit 1); 5,000 failed inside the decoder."""
+    path = tmp_path / "records.jsonl"
+    deep = {"_id": "deep", "title": "Deep", "text": "A record.", "meta": {}}
+    node = deep["meta"]
+    for _ in range(600):
+        node["child"] = {}
+        node = node["child"]
+    lines = [json.dumps({"_id": "good", "title": "Good", "text": "Text about okapis."}),
+             json.dumps(deep),
+             '{"_id": "deeper", "text": "x", "m": ' + "[" * 5000 + "]" * 5000 + "}"]
+    path.write_text("\n".join(lines) + "\n")
+    data = kb_json("ingest", str(path), "--source", "records", expect=3)
+    reasons = errors(data)
+    assert set(reasons) == {"deep", "deeper"} and data["documents_published"] == 1
+    assert "nested more than 32 levels" in reasons["deep"] and "nested too deeply" in reasons["deeper"]
+
+
 def test_nul_bytes_are_dropped_and_a_binary_text_file_fails_alone(settings, samples_copy, tmp_path):
     (samples_copy / "ops" / "notes.txt").write_bytes(b"Rotate the zebra signing keys monthly.\x00\x00 Log each rotation.\n")
     (samples_copy / "ops" / "dump.txt").write_bytes(b"\x00\x01\x02\x00" * 4000)

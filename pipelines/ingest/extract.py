@@ -156,16 +156,35 @@ def _lines(handle) -> Iterator[tuple[int, bytes]]:
             yield line_no, raw
 
 
+MAX_DEPTH = 32  # nesting a record may have; metadata deeper than this is not metadata anyone filters on
+
+
+def _depth(value) -> int:
+    """How deeply a decoded JSON value nests (iteratively: a hostile record must not exhaust the stack)."""
+    deepest, stack = 0, [(value, 1)]
+    while stack:
+        item, level = stack.pop()
+        if isinstance(item, (dict, list)):
+            deepest = max(deepest, level)
+            if level <= MAX_DEPTH:
+                stack.extend((child, level + 1) for child in (item.values() if isinstance(item, dict) else item))
+    return deepest
+
+
 def _decode(raw: bytes) -> tuple[dict | None, str | None]:
     """(record, None) or (None, why the line is not a record)."""
     try:
         record = json.loads(raw.decode("utf-8"))
     except UnicodeDecodeError as exc:
         return None, f"not valid UTF-8 ({exc.reason} at byte {exc.start})"
+    except RecursionError:
+        return None, f"nested too deeply to read (at most {MAX_DEPTH} levels)"
     except ValueError as exc:
         return None, f"not valid JSON ({exc})"
     if not isinstance(record, dict):
         return None, "not a JSON object"
+    if _depth(record) > MAX_DEPTH:
+        return None, f"nested more than {MAX_DEPTH} levels deep"
     if not isinstance(record.get("_id"), (str, int)) or isinstance(record.get("_id"), bool) or record["_id"] == "":
         return None, "the record has no _id (a string or a number)"
     return record, None
