@@ -101,8 +101,8 @@ def prepare_base(server: str, records: int, home: Path) -> dict:
     with open(SCIFACT) as corpus:
         slice_path.write_text("".join(line for _, line in zip(range(records), corpus)))
     declare = {k: v for k, v in env.items() if k != "DAGSTER_HOME"}  # `kb dagster ingest` syncs the partitions
-    kb("source", "add", "samples", str(Path(__file__).resolve().parents[1] / "samples" / "docs"), env=declare)
-    kb("source", "add", "scifact", str(slice_path), env=declare)
+    kb("source", "add", "samples", str(Path(__file__).resolve().parents[1] / "samples" / "docs"), "--public", env=declare)
+    kb("source", "add", "scifact", str(slice_path), "--public", env=declare)
     first, runs = kb("dagster", "ingest", "--json", env=env)
     with psycopg.connect(url, autocommit=True) as conn:
         chunks = conn.execute("SELECT count(*) FROM chunks WHERE valid_to IS NULL").fetchone()[0]

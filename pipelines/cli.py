@@ -598,7 +598,8 @@ def _source_line(s) -> str:
 @click.option("--include", multiple=True, help="Glob of files to take (repeatable; default: all).")
 @click.option("--exclude", multiple=True, help="Glob of files to skip (repeatable).")
 @click.option("--group", "groups", multiple=True,
-              help="Only callers in this group may read the documents (repeatable; default: everyone).")
+              help="Only callers in this group may read the documents (repeatable).")
+@click.option("--public", is_flag=True, help="Every caller may read the documents (say it: no group means nothing).")
 @click.option("--freshness-hours", type=float, help="Flag documents stale after this long without a crawl.")
 @click.option("--refresh-cron", help="When Dagster refreshes the source (cron; default KB_REFRESH_CRON).")
 @click.option("--allow-outside-links", is_flag=True, help="Follow symlinks that lead outside the folder.")
@@ -607,9 +608,11 @@ def _source_line(s) -> str:
 @click.option("--golden-set", type=click.Path(exists=True, dir_okay=False),
               help="JSONL of {query, document} its refreshes must keep finding (default: no gate).")
 @click.option("--json", "as_json", is_flag=True)
-def source_add(name, path, include, exclude, groups, freshness_hours, refresh_cron, allow_outside_links,
+def source_add(name, path, include, exclude, groups, public, freshness_hours, refresh_cron, allow_outside_links,
                max_deletion_share, golden_set, as_json):
-    """Declare source NAME at PATH (a folder, or a .jsonl file of records)."""
+    """Declare source NAME at PATH (a folder, or a .jsonl file of records), readable by --group G ... or --public."""
+    if bool(groups) == public:
+        raise click.UsageError("say who may read the source: --group G (repeatable), or --public for every caller")
     from pipelines.sources.declarations import actor, add_source, declare
     from pipelines.storage.database import connect
 

@@ -67,6 +67,7 @@ def test_a_config_file_declares_sources_and_owns_them(settings, tmp_path):
 [sources.samples]
 location = "{SAMPLES_DIR / 'docs'}"
 exclude = ["sales/*"]
+public = true
 
 [sources.faq]
 location = "{SAMPLES_DIR / 'faq.jsonl'}"
@@ -107,7 +108,7 @@ def test_a_file_path_is_not_a_source(settings):
 
 def test_dagster_partitions_follow_the_declarations(settings, instance):
     resources = {"kb": KnowledgeBase()}
-    kb("source", "add", "faq", str(SAMPLES_DIR / "faq.jsonl"))  # DAGSTER_HOME is the test instance: synced at once
+    kb("source", "add", "faq", str(SAMPLES_DIR / "faq.jsonl"), "--public")  # DAGSTER_HOME is the test instance: synced at once
     assert instance.get_dynamic_partitions(SOURCES) == ["faq"]
 
     with connect(settings) as conn:  # a declaration made behind the CLI's back is picked up by the sensor
@@ -120,8 +121,8 @@ def test_dagster_partitions_follow_the_declarations(settings, instance):
 
 
 def test_scheduled_refresh_follows_each_sources_own_cron(settings, instance):
-    kb("source", "add", "faq", str(SAMPLES_DIR / "faq.jsonl"), "--refresh-cron", "0 6 * * *")
-    kb("source", "add", "samples", str(SAMPLES_DIR / "docs"))  # default KB_REFRESH_CRON: hourly
+    kb("source", "add", "faq", str(SAMPLES_DIR / "faq.jsonl"), "--public", "--refresh-cron", "0 6 * * *")
+    kb("source", "add", "samples", str(SAMPLES_DIR / "docs"), "--public")  # default KB_REFRESH_CRON: hourly
     instance.add_dynamic_partitions(SOURCES, ["faq", "samples"])
     resources = {"kb": KnowledgeBase()}
     first = scheduled_refresh(dg.build_sensor_context(instance=instance, resources=resources))
@@ -171,7 +172,7 @@ def _store(url: str) -> dict:
 def test_kb_ingest_and_a_dagster_materialization_leave_identical_stores(settings, server_url, instance, samples_copy,
                                                                         monkeypatch):
     (samples_copy / "broken.pdf").write_bytes(b"%PDF-1.4 not really")  # failures are part of the record too
-    kb("source", "add", "samples", str(samples_copy))
+    kb("source", "add", "samples", str(samples_copy), "--public")
     kb("ingest", "--source", "samples", expect=3)
     by_cli = _store(settings.database_url)
 
@@ -182,7 +183,7 @@ def test_kb_ingest_and_a_dagster_materialization_leave_identical_stores(settings
     info["dbname"] = second
     monkeypatch.setenv("DATABASE_URL", psycopg.conninfo.make_conninfo(**info))
     try:
-        kb("source", "add", "samples", str(samples_copy))
+        kb("source", "add", "samples", str(samples_copy), "--public")
         result = dg.materialize([ingest_flow], resources={"kb": KnowledgeBase()}, instance=instance, partition_key="samples")
         assert result.success
         by_dagster = _store(psycopg.conninfo.make_conninfo(**info))
@@ -204,7 +205,7 @@ def test_the_same_kb_toml_applies_from_another_checkout_and_paths_stay_relative(
     (first / "docs").mkdir(parents=True)
     (first / "docs" / "policy.md").write_text("# Policy\n\nThe okapi policy.\n")
     (first / "golden.jsonl").write_text('{"query": "okapi policy", "document": "policy.md"}\n')
-    (first / "kb.toml").write_text('[sources.team]\nlocation = "docs"\ngolden_set = "golden.jsonl"\n')
+    (first / "kb.toml").write_text('[sources.team]\nlocation = "docs"\ngolden_set = "golden.jsonl"\npublic = true\n')
     assert kb_json("source", "apply", str(first / "kb.toml"))["added"] == ["team"]
     assert kb_json("source", "show", "team")["source"]["location"] == "docs"
     kb("ingest", "--source", "team")
@@ -221,8 +222,9 @@ def test_the_same_kb_toml_applies_from_another_checkout_and_paths_stay_relative(
     assert again["documents_unchanged"] == 1 and again["documents_deleted"] == 0 and not again["errors"]
 
     # A source declared from the CLI is still never taken over by a file.
-    kb("source", "add", "cli-made", str(second / "docs"))
-    (second / "other.toml").write_text('[sources.cli-made]\nlocation = "docs"\n')
+    (second / "notes").mkdir()
+    kb("source", "add", "cli-made", str(second / "notes"), "--public")
+    (second / "other.toml").write_text('[sources.cli-made]\nlocation = "notes"\npublic = true\n')
     assert "already declared from the CLI" in kb("source", "apply", str(second / "other.toml"), expect=2).output
 
 
@@ -239,7 +241,45 @@ def test_kb_eval_never_changes_a_source_declared_in_the_database_it_is_given(set
     (dataset / "qrels" / "test.tsv").write_text("query-id\tcorpus-id\tscore\n")
     moved = tmp_path / "elsewhere"
     shutil.copytree(dataset, moved)
-    kb("source", "add", "beir-scifact", str(moved / "corpus.jsonl"))
+    kb("source", "add", "beir-scifact", str(moved / "corpus.jsonl"), "--public")
     refused = kb("eval", str(dataset), "--database-url", settings.database_url, expect=2)
     assert "never changes a declared source" in refused.output
     assert kb_json("source", "show", "beir-scifact")["source"]["location"] == str(moved / "corpus.jsonl")
+
+
+def test_declarations_cannot_widen_access_by_accident(settings, tmp_path):
+    """Each way a declaration silently widened who may read documents is refused, saying what to write instead."""
+    share = tmp_path / "share"
+    (share / "hr" / "drafts").mkdir(parents=True)
+    (share / "hr" / "salaries.md").write_text("# Salaries\n\nThe zebra salary band.\n")
+    (share / "hr" / "drafts" / "reorg.md").write_text("# Reorg\n\nConfidential zebra reorg.\n")
+    (share / "public.md").write_text("# Welcome\n\nThe okapi welcome page.\n")
+    config = tmp_path / "kb.toml"
+
+    def apply(text: str, expect: int = 0):
+        config.write_text(text)
+        return kb("source", "apply", str(config), expect=expect).output
+
+    assert "empty group list" in apply('[sources.hr]\nlocation = "share/hr"\ngroups = []\n', expect=2)
+    assert "exactly one of them" in apply('[sources.hr]\nlocation = "share/hr"\n', expect=2)  # who reads it, said
+    assert "not 'drafts/*'" in apply('[sources.hr]\nlocation = "share/hr"\ngroups = ["hr"]\nexclude = "drafts/*"\n',
+                                     expect=2)
+    apply('[sources.hr]\nlocation = "share/hr"\ngroups = ["hr"]\nexclude = ["drafts/*"]\n')
+    assert "one folder is one source" in kb("source", "add", "hr-again", str(share / "hr"), "--public",
+                                             expect=2).output
+    kb("source", "add", "everything", str(share), "--public")  # a public parent: it skips hr's folder
+    assert "may not be readable by more" in kb("source", "add", "hr-drafts", str(share / "hr" / "drafts"),
+                                                "--public", expect=2).output
+    assert "say who may read" in kb("source", "add", "x", str(share / "hr" / "drafts"), expect=2).output
+    kb("ingest")
+    public = {c["document"] for c in kb_json("search", "zebra salary reorg", "--k", "10")["chunks"]}
+    assert public <= {"public.md"}  # nothing of hr reaches a public caller, through either source
+    assert {c["document"] for c in kb_json("search", "okapi welcome", "--k", "10")["chunks"]} == {"public.md"}
+    hr = {c["document"] for c in kb_json("search", "zebra salary reorg", "--group", "hr", "--k", "10")["chunks"]}
+    assert "salaries.md" in hr and not any("reorg" in d for d in hr)  # the excluded drafts are not ingested
+
+    # Removed, then brought back by `kb ingest PATH` without its groups: refused, not public.
+    apply('[sources.other]\nlocation = "share/hr/drafts"\ngroups = ["hr"]\n')
+    kb("source", "apply", str(config), "--prune")
+    refused = kb("ingest", str(share / "hr"), "--source", "hr", expect=2).output
+    assert "was readable by groups hr before it was removed" in refused

@@ -31,7 +31,7 @@ from pipelines.ingest.formats import UnsupportedFormat, format_of
 from pipelines.ingest.hashing import hash_stream, hash_text
 from pipelines.ingest.report import NO_PROGRESS, Progress, StageReport
 from pipelines.settings import Limits
-from pipelines.sources.declarations import Source
+from pipelines.sources.declarations import Source, load_sources
 from pipelines.sources.files import RootChanged, host, identity, open_below, open_root
 from pipelines.storage import bulk
 
@@ -58,6 +58,7 @@ class Crawl:
     limits: Limits
     known_root: str | None = None  # the root's identity recorded on this host (None: not yet, or a new root accepted)
     root_identity: str | None = None  # what this crawl opened
+    nested: frozenset[str] = frozenset()  # paths of other sources inside this one's folder: theirs, not crawled here
     seen: set[str] = field(default_factory=set)
     unseen: list[str] = field(default_factory=list)  # folder prefixes ("" = all) the crawl could not read
     blind: bool = False  # some record could not be identified: the crawl cannot tell what is missing
@@ -107,10 +108,11 @@ def walk_folder(crawl: Crawl, known: Known, progress: Progress = NO_PROGRESS) ->
         crawl.root_identity = identity(root_fd)
         listed: list[str] = []
         for dirpath, dirnames, filenames, _ in os.fwalk(".", dir_fd=root_fd, onerror=unreadable):
-            dirnames[:] = sorted(d for d in dirnames if not d.startswith("."))
+            dirnames[:] = sorted(d for d in dirnames if not d.startswith(".")
+                                 and os.path.normpath(os.path.join(dirpath, d)) not in crawl.nested)
             for name in sorted(f for f in filenames if not f.startswith(".")):
                 relpath = os.path.normpath(os.path.join(dirpath, name))
-                if not _selected(relpath, source):
+                if relpath in crawl.nested or not _selected(relpath, source):
                     continue
                 if _printable(relpath) != relpath:  # not valid UTF-8: it cannot be named, stored or searched
                     crawl.fail(_printable(relpath), f"{_printable(str(root / relpath))}: the file name is not valid"
@@ -370,7 +372,9 @@ def crawl_source(conn: psycopg.Connection, source: Source, report: StageReport, 
     identity is recorded at the first crawl on this host and must match afterwards, unless a new root is accepted."""
     known_root = None if accept_new_root else conn.execute(
         "SELECT root_identities ->> %s FROM sources WHERE source_id = %s", (host(), source.source_id)).fetchone()[0]
-    crawl = Crawl(source, report, limits, known_root=known_root)
+    nested = frozenset(other.path.relative_to(source.path).as_posix() for other in load_sources(conn)
+                       if other.source_id != source.source_id and other.path.is_relative_to(source.path))
+    crawl = Crawl(source, report, limits, known_root=known_root, nested=nested)
     with conn.transaction():
         known = _known_documents(conn, source.source_id)
         found = walk_folder(crawl, known, progress) if source.kind == "folder" else read_records(crawl, progress)

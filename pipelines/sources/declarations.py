@@ -104,13 +104,30 @@ def declare(name: str | None, path: str | Path, include=(), exclude=(), groups=N
     """A validated declaration; the name defaults to the folder or file name. Paths that a config file
     (`declared_in`) gives relative to itself are kept relative to it; others are made absolute."""
     kind, location = locate(resolve_declared(str(path), declared_in))
+    include, exclude, groups = _globs(include, "include"), _globs(exclude, "exclude"), _readers(groups)
     name = name or Path(location).stem
     location = _as_declared(path, location, declared_in)
     if not NAME.match(name):
         raise DeclarationError(f"source name {name!r}: use letters, digits, '.', '_' or '-' (at most 63 characters)")
-    return Source(name, kind, location, tuple(include), tuple(exclude), normalise_groups(groups),
+    return Source(name, kind, location, include, exclude, groups,
                   _positive(freshness_hours), _cron(refresh_cron), bool(allow_outside_links),
                   _share(max_deletion_share), declared_in, _golden(golden_set, declared_in))
+
+
+def _globs(globs, key: str) -> tuple[str, ...]:
+    """A list of globs; one string is refused, not read as its characters (`exclude = "drafts/*"` excluded nothing)."""
+    if isinstance(globs, str) or not all(isinstance(g, str) for g in globs):
+        raise DeclarationError(f"{key} is a list of globs, like {key} = [\"drafts/*\"], not {globs!r}")
+    return tuple(globs)
+
+
+def _readers(groups) -> tuple[str, ...] | None:
+    """A source's readers: groups, or None for everyone. An empty list is refused: it would make the source public
+    by accident, and public is said explicitly (`public = true`, `--public`)."""
+    if groups is not None and not isinstance(groups, str) and len(list(groups)) == 0:
+        raise DeclarationError("an empty group list would let everyone read the source; list its groups, or say"
+                               " public = true (--public) if everyone may read it")
+    return normalise_groups(groups)
 
 
 def normalise_groups(groups) -> tuple[str, ...] | None:
@@ -175,6 +192,11 @@ def actor(entry: str) -> str:
     return f"{user}@{socket.gethostname()} ({entry})"
 
 
+def _removed(conn: psycopg.Connection, source_id: str) -> Source | None:
+    row = conn.execute(SELECT + " WHERE source_id = %s AND removed_at IS NOT NULL", (source_id,)).fetchone()
+    return _from_row(row) if row else None
+
+
 def get_source(conn: psycopg.Connection, source_id: str) -> Source | None:
     row = conn.execute(SELECT + " WHERE source_id = %s AND removed_at IS NULL", (source_id,)).fetchone()
     return _from_row(row) if row else None
@@ -218,10 +240,35 @@ def differences(old: Source, new: Source) -> list[str]:
     return [name for name in before if before[name] != after[name]]
 
 
+def check_overlaps(conn: psycopg.Connection, source: Source) -> None:
+    """Two sources on one folder are refused. A source inside another's folder is allowed only when it is readable by
+    no more callers than the outer one: its files are then crawled by it alone (the outer source skips its folder),
+    so the narrowest declaration wins and no declaration widens what another one restricts."""
+    for other in load_sources(conn):
+        if other.source_id == source.source_id:
+            continue
+        if other.path == source.path:
+            raise DeclarationError(f"{source.path} is already the location of source {other.source_id!r}: one folder is"
+                                   " one source (a second name would serve its files under other groups)")
+        if source.path.is_relative_to(other.path):
+            outer, inner = other, source
+        elif other.path.is_relative_to(source.path):
+            outer, inner = source, other
+        else:
+            continue
+        if outer.groups is not None and not (inner.groups is not None and set(inner.groups) <= set(outer.groups)):
+            raise DeclarationError(
+                f"source {inner.source_id!r} lies inside {outer.source_id!r}, which only groups"
+                f" {', '.join(outer.groups)} may read; a source inside it may not be readable by more: give it groups"
+                f" among those")
+
+
 def add_source(conn: psycopg.Connection, source: Source, who: str) -> bool:
     """Declare a new source (or re-declare a removed one). Declaring an existing source again is a no-op when
     nothing differs and an error otherwise: changes go through `update_source`. Returns True when written."""
     with conn.transaction():
+        conn.execute("SELECT pg_advisory_xact_lock(hashtext('kb.declarations'))")  # overlap checks see each other
+        check_overlaps(conn, source)
         stored, removed = _locked(conn, source.source_id)
         if stored is not None and not removed:
             changed = differences(stored, source)
@@ -264,7 +311,7 @@ def update_source(conn: psycopg.Connection, source_id: str, who: str, via_config
             changes["kind"], resolved = locate(resolve_declared(str(changes["location"]), declared_in))
             changes["location"] = _as_declared(changes["location"], resolved, declared_in)
         if "groups" in changes:
-            changes["groups"] = normalise_groups(changes["groups"])
+            changes["groups"] = _readers(changes["groups"])
         if "freshness_hours" in changes:
             changes["freshness_hours"] = _positive(changes["freshness_hours"])
         if "refresh_cron" in changes:
@@ -275,9 +322,11 @@ def update_source(conn: psycopg.Connection, source_id: str, who: str, via_config
             changes["golden_set"] = _golden(changes["golden_set"], declared_in)
         for key in ("include", "exclude"):
             if key in changes:
-                changes[key] = tuple(changes[key])
+                changes[key] = _globs(changes[key], key)
         updated = replace(stored, **changes)
         if differences(stored, updated):
+            conn.execute("SELECT pg_advisory_xact_lock(hashtext('kb.declarations'))")
+            check_overlaps(conn, updated)
             _write(conn, updated)
             _audit(conn, source_id, who, "update", stored, updated)
         if updated.path != stored.path:  # a declared move: the next crawl records the new root's identity
@@ -305,7 +354,7 @@ def read_config(path: str | Path) -> list[Source]:
         location = "docs/handbook"        # a folder, or a .jsonl file of records
         include = ["**/*.md"]             # optional globs
         exclude = ["drafts/*"]
-        groups = ["hr"]                   # omit: every caller may read it
+        groups = ["hr"]                   # who may read it; or public = true: every caller
         freshness_hours = 24
         refresh_cron = "0 6 * * *"
         allow_outside_links = false
@@ -317,8 +366,8 @@ def read_config(path: str | Path) -> list[Source]:
         data = tomllib.loads(config.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError) as exc:
         raise DeclarationError(f"{path}: cannot read the source declarations: {exc}") from exc
-    known = {"location", "include", "exclude", "groups", "freshness_hours", "refresh_cron", "allow_outside_links",
-             "max_deletion_share", "golden_set"}
+    known = {"location", "include", "exclude", "groups", "public", "freshness_hours", "refresh_cron",
+             "allow_outside_links", "max_deletion_share", "golden_set"}
     declared = []
     for name, table in (data.get("sources") or {}).items():
         if not isinstance(table, dict) or "location" not in table:
@@ -326,6 +375,9 @@ def read_config(path: str | Path) -> list[Source]:
         unknown = set(table) - known
         if unknown:
             raise DeclarationError(f"{path}: [sources.{name}] has unknown keys {sorted(unknown)}; known: {sorted(known)}")
+        if ("groups" in table) == (table.get("public") is True) or ("public" in table and table["public"] is not True):
+            raise DeclarationError(f"{path}: [sources.{name}] says who may read it with either groups = [...] or"
+                                   " public = true (exactly one of them)")
         try:
             declared.append(declare(name, str(table["location"]), table.get("include", ()), table.get("exclude", ()),
                                     table.get("groups"), table.get("freshness_hours"), table.get("refresh_cron"),
@@ -376,6 +428,11 @@ def source_for_ingest(conn: psycopg.Connection, path: str | Path, name: str | No
     wanted = declare(name, path, include, exclude, groups)
     stored = get_source(conn, wanted.source_id)
     if stored is None:
+        removed = _removed(conn, wanted.source_id)
+        if removed is not None and removed.groups and wanted.groups is None:
+            raise DeclarationError(f"source {wanted.source_id!r} was readable by groups {', '.join(removed.groups)}"
+                                   " before it was removed; declare it again with its groups (--group G), or with"
+                                   f" `kb source add {wanted.source_id} PATH --public` if everyone may read it now")
         add_source(conn, wanted, who)
         return wanted, True
     asked = {"location": str(wanted.path)}
