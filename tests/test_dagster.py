@@ -112,11 +112,11 @@ def test_declared_crons_fire_without_a_click(conn, instance, tmp_path):
     for sensor in (scheduled_refresh, kb_automation):
         assert sensor.default_status == dg.DefaultSensorStatus.RUNNING, sensor.name
     assert {s.name for s in SENSORS} >= {"source_partitions", "scheduled_refresh", "kb_automation"}
-    folder = tmp_path / "notes"
-    folder.mkdir()
-    (folder / "a.md").write_text("# A\n\nSome text.\n")
-    add_source(conn, declare("minutely", folder, refresh_cron="* * * * *"), "tests")
-    add_source(conn, declare("yearly", folder, refresh_cron="0 0 1 1 *"), "tests")
+    for name in ("minutely", "yearly"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "a.md").write_text("# A\n\nSome text.\n")
+    add_source(conn, declare("minutely", tmp_path / "minutely", refresh_cron="* * * * *"), "tests")
+    add_source(conn, declare("yearly", tmp_path / "yearly", refresh_cron="0 0 1 1 *"), "tests")
     instance.add_dynamic_partitions(SOURCES, ["minutely", "yearly"])
     two_minutes_ago = (datetime.now(timezone.utc) - timedelta(minutes=2)).isoformat()
     context = dg.build_sensor_context(instance=instance, cursor=two_minutes_ago, resources={"kb": KnowledgeBase()})
