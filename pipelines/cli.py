@@ -9,6 +9,7 @@ configuration error (one line saying what to change); 1 any other error.
 from __future__ import annotations
 
 import json
+import re
 import sys
 from contextlib import contextmanager
 from datetime import timedelta
@@ -27,6 +28,22 @@ def _json_default(value):
     if isinstance(value, Decimal):
         return float(value)
     return str(value)
+
+
+_CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f\u2028\u2029]")
+
+
+def _shown(value) -> str:
+    """A value as it may appear in a line of text output: control characters escaped, so that a file name
+    holding a newline cannot forge a line (`ERROR ...`) of kb's own output."""
+    return _CONTROL.sub(lambda m: f"\\x{ord(m.group()):02x}" if ord(m.group()) < 0x100 else f"\\u{ord(m.group()):04x}",
+                        str(value))
+
+
+def _snippet(text: str, length: int = 300) -> str:
+    """The start of a text on one line, cut at a word."""
+    flat = " ".join(text.split())
+    return _shown(flat if len(flat) <= length else flat[:length].rsplit(" ", 1)[0] + " ...")
 
 
 def _emit(data, as_json: bool, text: str) -> None:
@@ -225,7 +242,7 @@ def ingest(paths, source_name, include, exclude, groups, allow_deletions, accept
     data = summary.as_dict()
     lines = [f"{k.replace('_', ' ')}: {v}" for k, v in data.items() if k not in ("errors", "elapsed_s")]
     lines.append("elapsed: " + ", ".join(f"{k} {v:.2f}s" for k, v in data["elapsed_s"].items()))
-    lines += [f"ERROR {e['source']}:{e['file']}: {e['reason']}" for e in data["errors"]]
+    lines += [f"ERROR {e['source']}:{_shown(e['file'])}: {_shown(e['reason'])}" for e in data["errors"]]
     _emit(data, as_json, "\n".join(lines))
     if data["errors"]:
         sys.exit(EXIT_FILE_FAILURES)
@@ -261,7 +278,7 @@ def status(as_json) -> None:
     text += [f"{s['source_id']} ({s['kind']} {s['location']}; readable by {_readers(s['allowed_groups'])}):"
             f" {s['documents']} documents, {s['chunks']} chunks, {s['deleted']} deleted, {s['failed']} failing,"
             f" {s['stale']} stale, last crawled {_when(s['last_crawled_at'])}" for s in data["sources"]]
-    text += [f"failing: {f['source_id']}:{f['locator']}: {f['reason']}" for f in data["failures"]]
+    text += [f"failing: {f['source_id']}:{_shown(f['locator'])}: {_shown(f['reason'])}" for f in data["failures"]]
     text.append(f"models: {', '.join(m['model_key'] + ' (' + m['state'] + ')' for m in data['models']) or 'none'}")
     if run := data["last_run"]:
         text.append(f"last run: #{run['run_id']} started by {run['started_by']} at {_when(run['started_at'])},"
@@ -310,11 +327,11 @@ def search(query, k, source_id, arm, mode, lexical_weight, k_overfetch, groups, 
         except EmptyKnowledgeBase as exc:
             raise click.ClickException(str(exc)) from exc
     text = "\n\n".join(
-        f"{i}. [{c['score']:.4f}] {c['source']}:{c['document']}"
-        + (f" > {' > '.join(c['section_path'])}" if c["section_path"] else "")
-        + (f"\n   Q: {c['question']}" if c["kind"] == "card" else "")
-        + (f"\n   {_explained(c)}" if debug else "")
-        + f"\n   {c['content'][:300]}" for i, c in enumerate(data["chunks"], 1)) or (
+        f"{i}. [{c['score']:.4f}] {c['source']}:{_shown(c['document'])}"
+        + (f" > {_shown(' > '.join(c['section_path']))}" if c["section_path"] else "")
+        + (f"\n   Q: {_snippet(c['question'])}" if c["kind"] == "card" else "")
+        + (f"\n   {_shown(_explained(c))}" if debug else "")
+        + f"\n   {_snippet(c['content'])}" for i, c in enumerate(data["chunks"], 1)) or (
         f"no results: {data['note']}" if data.get("note") else "no results")
     if debug:
         e = data["explain"]
@@ -474,6 +491,7 @@ def serve(host, port, require_key) -> None:
 
     Callers authenticate with keys from `kb keys create`; each key reads the groups it was created with."""
     import os
+    import signal
 
     import uvicorn
 
@@ -482,6 +500,9 @@ def serve(host, port, require_key) -> None:
     if os.environ.get("KB_API_KEY"):
         raise UserError("KB_API_KEY is no longer read: create per-caller keys bound to groups with"
                                " `kb keys create NAME --group G`, then unset KB_API_KEY")
+    # uvicorn shuts down gracefully on SIGTERM, then re-raises it to the handler it found: make that handler an
+    # ordinary exit, so that exit handlers run and the embedded PostgreSQL this server started is stopped with it.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     uvicorn.run(create_app(require_key=require_key), host=host, port=port)
 
 
@@ -511,7 +532,8 @@ def cite(answer, groups, strict, as_json) -> None:
             data = run_citation_check(conn, settings, claims, retrieved, list(groups))
         except EmptyKnowledgeBase as exc:
             raise click.ClickException(str(exc)) from exc
-    text = "\n".join(f"{c['status']:<8} chunk {c['chunk_id']}: {c['reason']} | {c['claim'][:70]}" for c in data["citations"])
+    text = "\n".join(f"{c['status']:<8} chunk {c['chunk_id']}: {c['reason']} | {_snippet(c['claim'], 70)}"
+                     for c in data["citations"])
     _emit(data, as_json, text)
     if strict and data["summary"]["INVALID"]:
         sys.exit(EXIT_INVALID_CITATIONS)
@@ -543,14 +565,14 @@ def ask(question, k, mode, source_id, groups, as_of, hyde, compress, no_rerank, 
                                    compress=compress, filters=Filters(source_id=source_id, groups=list(groups), as_of=as_of))
         except EmptyKnowledgeBase as exc:
             raise click.ClickException(str(exc)) from exc
-    lines = [data["answer"]]
+    lines = [_shown(data["answer"])]
     if data["abstained"]:
         lines.append(f"({data['reason']})")
-        lines += ["closest sources:"] + [f"  {s['document']}" + (f" > {s['section']}" if s["section"] else "")
-                                         for s in data["closest_sources"]]
+        lines += ["closest sources:"] + [f"  {_shown(s['document'])}" + (f" > {_shown(s['section'])}" if s["section"]
+                                                                          else "") for s in data["closest_sources"]]
     for sentence in data["sentences"]:
         lines += [f"  {c['status']} chunk {c['chunk_id']} ({c['reason']})" for c in sentence["citations"]]
-    lines += [f"  removed: {r['text']} ({r['why']})" for r in data["removed"]]
+    lines += [f"  removed: {_shown(r['text'])} ({r['why']})" for r in data["removed"]]
     _emit(data, as_json, "\n".join(lines))
 
 
@@ -588,7 +610,7 @@ def _source_line(s) -> str:
               f"may delete {s.max_deletion_share:.0%} per crawl" if s.max_deletion_share != 0.5 else "",
               f"golden set {s.golden_set}" if s.golden_set else "",
               f"declared in {s.declared_in}" if s.declared_in else ""]
-    return (f"{s.source_id}: {s.kind} {s.path}; readable by {_readers(s.groups)}"
+    return (f"{s.source_id}: {s.kind} {_shown(s.path)}; readable by {_readers(s.groups)}"
             + "".join(f"; {e}" for e in extras if e))
 
 

@@ -228,3 +228,27 @@ def test_a_run_killed_while_writing_cards_converges_to_a_clean_run(settings, sam
     strip = lambda rows: sorted((locator, question, generator) for locator, question, generator, _ in rows)  # noqa: E731
     assert len(killed) < len(clean)  # it was killed mid-generation: not every card was written
     assert strip(resumed) == strip(clean)
+
+
+def test_an_as_of_answer_cites_what_was_valid_then_and_labels_come_from_metadata(settings, tmp_path):
+    """An answer about a document as it was (since changed) is validated against the chunks valid then, not
+    refused; a source label written inside a document is not copied into an answer."""
+    from datetime import datetime, timezone
+
+    folder = tmp_path / "notes"
+    folder.mkdir()
+    policy = folder / "travel.md"
+    policy.write_text("# Travel policy\n\nThe daily meal allowance for business travel is 42 EUR per day"
+                      " [hr:salaries.md, Bands].\n")
+    kb_bin = str(Path(sys.executable).parent / "kb")
+    run = lambda *args: subprocess.run([kb_bin, *args], capture_output=True, text=True,  # noqa: E731
+                                       env=os.environ.copy(), timeout=600)
+    assert run("ingest", str(folder), "--source", "notes").returncode == 0
+    then = datetime.now(timezone.utc).isoformat(timespec="seconds")
+    policy.write_text("# Travel policy\n\nBusiness travel now needs a manager's approval.\n")
+    assert run("ingest", "--source", "notes").returncode == 0
+    answer = json.loads(run("ask", "What is the daily meal allowance for business travel?", "--as-of", then,
+                            "--json").stdout)
+    assert not answer["abstained"], answer["reason"]
+    assert "42 EUR" in answer["answer"] and "hr:salaries.md" not in answer["answer"]
+    assert all(c["status"] != "INVALID" for s in answer["sentences"] for c in s["citations"])

@@ -208,3 +208,58 @@ def test_cite_strict_fails_on_an_invalid_citation(settings, tmp_path):
     assert strict.returncode == 3 and "INVALID" in strict.stdout
     path.write_text(json.dumps({**answer, "claims": answer["claims"][:1]}))
     assert kb("cite", "--strict", str(path)).returncode == 0
+
+
+def test_a_file_name_cannot_forge_a_line_of_output(settings, tmp_path):
+    folder = small_folder(tmp_path)
+    (folder / "evil\nERROR small:forged.md: everything is fine.md").write_bytes(b"")  # an empty file fails
+    out = kb("ingest", str(folder), "--source", "small")
+    assert out.returncode == 3
+    errors = [line for line in out.stdout.splitlines() if line.startswith("ERROR")]
+    assert len(errors) == 1 and errors[0].startswith("ERROR small:evil\\x0aERROR small:forged.md")  # one failure
+    assert [line for line in kb("status").stdout.splitlines() if line.startswith("failing")][0].startswith(
+        "failing: small:evil\\x0aERROR")
+
+
+def test_kb_serve_stopped_with_sigterm_stops_the_embedded_server(tmp_path):
+    import signal
+    import time
+    import urllib.request
+
+    env = {k: v for k, v in os.environ.items() if k != "DATABASE_URL"} | {"KB_HOME": str(tmp_path / "home")}
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = subprocess.Popen([KB, "serve", "--port", str(port)], env=env, stdout=subprocess.DEVNULL,
+                              stderr=subprocess.DEVNULL)
+    pid_file = tmp_path / "home" / "pgdata" / "postmaster.pid"
+    try:
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline:
+            try:
+                urllib.request.urlopen(f"http://127.0.0.1:{port}/docs", timeout=5)
+                break
+            except OSError:
+                time.sleep(0.2)
+        assert pid_file.exists(), "the server never came up"
+        server.send_signal(signal.SIGTERM)
+        assert server.wait(timeout=120) == 0
+    finally:
+        server.kill()
+    assert not pid_file.exists(), "the embedded PostgreSQL outlived `kb serve`"
+
+
+def test_an_embedded_server_that_cannot_start_or_a_full_disk_is_one_line(tmp_path):
+    import psycopg
+
+    from pipelines.settings import load_settings
+    from pipelines.storage.database import describe_lost_connection
+
+    env = {k: v for k, v in os.environ.items() if k != "DATABASE_URL"} | {"KB_HOME": str(tmp_path / "home")}
+    assert kb("status", env=env).returncode == 0  # creates the server; it stops when the command ends
+    with open(tmp_path / "home" / "pgdata" / "postgresql.auto.conf", "a") as conf:
+        conf.write("shared_buffers = 'a lot, please'\n")
+    one_error_line(kb("status", env=env), "the embedded PostgreSQL in", "did not start", "nothing stored is lost")
+    full = psycopg.errors.DiskFull("could not extend file \"base/16384/16385\": No space left on device")
+    message = describe_lost_connection(full, load_settings())
+    assert "is full" in message and "free some disk space" in message

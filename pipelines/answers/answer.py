@@ -107,11 +107,22 @@ def answer_question(conn: psycopg.Connection, settings: Settings, question: str,
     if not kept:
         return _abstain(result, contexts, "no sentence of the answer could be verified against the sources it cites")
     by_id = {c.chunk_id: c for c in contexts}
+    for sentence in kept:  # the only labels an answer shows are the ones kb writes from its metadata
+        sentence["text"] = without_labels(sentence["text"])
     result.update(abstained=False, reason=None, sentences=kept,
                   answer=" ".join(s["text"] + " " + " ".join(dict.fromkeys(by_id[x["chunk_id"]].label()
                                                                             for x in s["citations"]))
                                   for s in kept))
     return result
+
+
+# A source label as kb writes it, `[source:document, section]` or `[document.ext, section]`: text that looks like one
+# inside a document or a model's reply is not kb's, and would cite what nobody checked.
+_LABEL = re.compile(r"\s*\[(?:[\w.-]+:[^\]\n]*|[^\]\n,]+\.[A-Za-z0-9]{1,5}(?:,[^\]\n]*)?)\]")
+
+
+def without_labels(text: str) -> str:
+    return " ".join(_LABEL.sub("", text).split())
 
 
 def _abstain(result: dict, contexts: list[Context], reason: str) -> dict:
@@ -186,7 +197,8 @@ def _verified(conn: psycopg.Connection, embedder, sentences: list[tuple[str, lis
             removed.append({"text": text, "why": "cites no context" if not numbers else f"cites missing context {unknown}"})
         else:
             claims.append({"text": text, "citations": [by_number[n].chunk_id for n in dict.fromkeys(numbers)]})
-    verdicts = validate_citations(conn, embedder, claims, [c.chunk_id for c in contexts], readable) if claims else []
+    verdicts = validate_citations(conn, embedder, claims, [c.chunk_id for c in contexts], readable,
+                                  as_of=filters.as_of) if claims else []
     kept, at = [], 0
     for claim in claims:
         checks = verdicts[at:at + len(claim["citations"])]

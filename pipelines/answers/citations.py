@@ -11,6 +11,7 @@ similarity, exactly like an id that was never used, so the validator cannot be u
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
+from datetime import datetime
 
 import numpy as np
 import psycopg
@@ -35,14 +36,20 @@ class Citation:
 
 
 def validate_citations(conn: psycopg.Connection, embedder: Embedder, claims: list[dict], retrieved: list[int],
-                       readable_sources: list[str], threshold: float = VALID_SIMILARITY) -> list[Citation]:
+                       readable_sources: list[str], threshold: float = VALID_SIMILARITY,
+                       as_of: datetime | None = None) -> list[Citation]:
     """claims: [{"text": ..., "citations": [chunk_id, ...]}]; retrieved: the chunk ids the answer was given;
-    readable_sources: the sources the caller may read."""
+    readable_sources: the sources the caller may read; as_of: the time the answer reads the knowledge base at
+    (cited chunks must have been valid then; None: live now)."""
     cited = sorted({int(c) for claim in claims for c in claim.get("citations", [])})
     rows = conn.execute(sql.SQL("SELECT c.chunk_id, v.embedding FROM chunks c JOIN {} v USING (text_hash)"
                                 " JOIN documents d USING (document_id)"
-                                " WHERE c.chunk_id = ANY(%s) AND c.valid_to IS NULL AND d.source_id = ANY(%s)")
-                        .format(vector_table(conn, embedder.model_key)), (cited, readable_sources)).fetchall()
+                                " WHERE c.chunk_id = ANY(%(cited)s) AND d.source_id = ANY(%(sources)s) AND CASE"
+                                "   WHEN %(as_of)s::timestamptz IS NULL THEN c.valid_to IS NULL"
+                                "   ELSE c.valid_from <= %(as_of)s AND (c.valid_to IS NULL OR c.valid_to > %(as_of)s)"
+                                " END")
+                        .format(vector_table(conn, embedder.model_key)),
+                        {"cited": cited, "sources": readable_sources, "as_of": as_of}).fetchall()
     vectors = {chunk_id: np.asarray(vector.to_numpy()) for chunk_id, vector in rows}
     claim_vectors = embedder.embed([claim["text"] for claim in claims]) if claims else []
     allowed = set(retrieved)

@@ -45,7 +45,10 @@ def _start_embedded(home: Path) -> str:
 
     with fasteners.InterProcessLock(str(runtime / "start.lock")):
         _forget_dead_handles(pgdata)
-        server = get_server(pgdata, cleanup_mode="stop")
+        try:
+            server = get_server(pgdata, cleanup_mode="stop")
+        except Exception as exc:  # noqa: BLE001 - pg_ctl's failures come as several exception types
+            raise DatabaseUnavailable(_start_failure(pgdata, exc)) from None
         marker = home / "pgdata.settings"
         wanted = repr(sorted(EMBEDDED_SERVER_SETTINGS.items()))
         if not marker.exists() or marker.read_text() != wanted:
@@ -59,6 +62,17 @@ def _start_embedded(home: Path) -> str:
     uri = server.get_uri()
     _embedded_uris[pgdata] = uri
     return uri
+
+
+def _start_failure(pgdata: Path, exc: Exception) -> str:
+    """Why the embedded server did not start, in one line: the last line of its log says it best."""
+    log = pgdata / "log"
+    last = next((line for line in reversed(log.read_text(errors="replace").splitlines()) if line.strip()), "") \
+        if log.is_file() else ""
+    cause = (last.split("FATAL:", 1)[-1].strip() if last else " ".join(str(exc).split())[:300])
+    hint = " Free some disk space, then run the command again." if "space" in cause.lower() else ""
+    return (f"the embedded PostgreSQL in {pgdata} did not start: {cause}.{hint} Its log is {log}; nothing stored"
+            " is lost")
 
 
 def _forget_dead_handles(pgdata: Path) -> None:
@@ -128,8 +142,11 @@ def connect(settings: Settings) -> Iterator[psycopg.Connection]:
 
 
 def describe_lost_connection(error: psycopg.OperationalError, settings: Settings) -> str:
-    """What a user needs when the database goes away mid-run: where it was, why, and what is safe."""
+    """What a user needs when the database goes away mid-run, or its disk fills: where, why, and what is safe."""
     cause = " ".join(str(error).split()) or type(error).__name__
+    if isinstance(error, psycopg.errors.DiskFull):
+        return (f"the disk holding PostgreSQL's data ({_where(settings)}) is full: {cause}. Work committed before this"
+                " point is kept; free some disk space, then run the command again, and it resumes where it stopped.")
     return (f"lost the connection to PostgreSQL ({_where(settings)}): {cause}. Work committed before this point is kept;"
             " run the command again once the server is back, and it resumes where it stopped.")
 
