@@ -169,11 +169,20 @@ class BatchedOnnxEmbedder(OnnxEmbedder):
         return _normalise(out)
 
 
+NATIVE = "native"  # the last part of an OpenAI model's key when no dimension is requested
+
+
 class OpenAIEmbedder:
     """Batched requests with bounded concurrency; the openai client retries 408/409/429/5xx and timeouts with
-    exponential backoff and honours Retry-After, so kb does not re-implement any of it."""
+    exponential backoff and honours Retry-After, so kb does not re-implement any of it.
 
-    def __init__(self, settings: Settings):
+    The model key comes from the configuration alone, never from what the endpoint answers:
+    `openai:<model>:<KB_OPENAI_DIMENSIONS>`, or `openai:<model>:native` when no dimension is requested. A native
+    model's dimension is fixed when the model is registered (the endpoint is asked once, pipelines/ingest/embed.py);
+    answers of another length later are refused like any broken vector. An endpoint that answers 4-d vectors for
+    one run therefore cannot register, switch to or drop a model: it fails that run's documents."""
+
+    def __init__(self, settings: Settings, registered_dimensions: int | None = None):
         from pipelines.models.chat import openai_client
 
         self.model = settings.openai_model
@@ -181,15 +190,18 @@ class OpenAIEmbedder:
         self.concurrency = settings.openai_concurrency
         self.client = openai_client(settings)
         self._requested_dimensions = settings.openai_dimensions
+        self._registered_dimensions = registered_dimensions
         self.counter = TiktokenCounter(settings.state_dir / "tiktoken")
 
     @cached_property
     def dimensions(self) -> int:
-        return self._requested_dimensions or len(self._request(["dimension probe"])[0])
+        """The requested dimension, else the registered one, else (a model not registered yet) the endpoint's."""
+        return (self._requested_dimensions or self._registered_dimensions
+                or len(self._request(["dimension probe"])[0]))
 
     @property
     def model_key(self) -> str:
-        return f"openai:{self.model}:{self.dimensions}"
+        return f"openai:{self.model}:{self._requested_dimensions or NATIVE}"
 
     def _request(self, batch: list[str]) -> list[list[float]]:
         extra = {"dimensions": self._requested_dimensions} if self._requested_dimensions else {}
@@ -213,8 +225,17 @@ def make_embedder(settings: Settings) -> Embedder:
     return TorchEmbedder() if settings.embedder == "local-fp32" else OnnxEmbedder(settings.model_cache)
 
 
-def embedder_for(model_key: str, settings: Settings) -> Embedder:
-    """The embedder that produced a stored model's vectors (search must embed queries in the same space)."""
+def embedder_for(model_key: str, settings: Settings, dimensions: int | None = None) -> Embedder:
+    """The embedder that produced a stored model's vectors (search must embed queries in the same space);
+    `dimensions`, the model's registered dimension, is what a native OpenAI model's answers are held to."""
+    provider, _, rest = model_key.partition(":")
+    if provider == "openai":
+        name, _, dims = rest.rpartition(":")
+        if dims != NATIVE and not dims.isdigit():
+            raise ValueError(f"do not know how to embed queries for model {model_key!r}")
+        requested = None if dims == NATIVE else int(dims)
+        return OpenAIEmbedder(replace(settings, embedder="openai", openai_model=name, openai_dimensions=requested),
+                              dimensions)
     configured = make_embedder(settings)
     if configured.model_key == model_key:
         return configured
@@ -224,8 +245,4 @@ def embedder_for(model_key: str, settings: Settings) -> Embedder:
         return OnnxEmbedder(settings.model_cache)
     if model_key == BatchedOnnxEmbedder.model_key:
         return BatchedOnnxEmbedder(settings.model_cache)
-    provider, _, rest = model_key.partition(":")
-    name, _, dims = rest.rpartition(":")
-    if provider != "openai" or not dims.isdigit():
-        raise ValueError(f"do not know how to embed queries for model {model_key!r}")
-    return OpenAIEmbedder(replace(settings, embedder="openai", openai_model=name, openai_dimensions=int(dims)))
+    raise ValueError(f"do not know how to embed queries for model {model_key!r}")
