@@ -80,8 +80,8 @@ class OnnxEmbedder:
     batch-mates and on their padding (cosine 0.994 to itself alone). That made vectors irreproducible and let a
     restricted document move the dense scores a public caller sees. Alone, a text's vector is a function of the
     text only, bitwise, on this machine's kernels; one intra-op thread per run keeps the core count out of it too.
-    Texts run in parallel on one Python thread per core, which measured no slower than batches of 8
-    (bench/README.md). Its vectors differ from fp32 ones, so it is its own vector space (model key)."""
+    Texts run in parallel on one Python thread per core, which measured faster than batches of 8 on 2 cores
+    (bench/README.md, bench/embed_batching.py). Its vectors differ from fp32 ones, so it is its own vector space (model key)."""
 
     model_key = "local:all-MiniLM-L6-v2-int8-r3:384"  # r3: each text alone (the graph's recipe: onnx_model.py)
     dimensions = 384
