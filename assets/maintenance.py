@@ -73,7 +73,8 @@ def model_backfill(published_chunks):
 
 @dg.asset(deps=[model_backfill], group_name=MAINTENANCE, kinds={"postgres"}, owners=OWNERS)
 def active_model(kb: KnowledgeBase) -> dg.MaterializeResult:
-    """Search switches to the configured model in one transaction once all its vectors exist; the old index goes."""
+    """Search switches to the configured model in one transaction once all its vectors exist; the old model is
+    retired, its table kept. The only switch besides a first model's registration: ingests never switch."""
     from pipelines.storage.vectors import activate_if_complete
 
     with kb.connect() as conn:

@@ -193,6 +193,51 @@ def test_a_callers_results_do_not_depend_on_documents_it_cannot_read(settings, s
         assert board and all(h.source == "board" for h in board)
 
 
+def test_a_restricted_source_embedded_in_the_same_run_leaves_public_dense_scores_unchanged(
+        settings, server_url, samples_copy, tmp_path, embedder):
+    """Two knowledge bases with the same public documents, one also holding a restricted source ingested in the
+    same run, so its texts are embedded beside the public ones: a public caller gets identical results, dense
+    scores included (issue 18: int8 vectors depended on their batch-mates, a side channel)."""
+    import dataclasses
+    import uuid
+
+    import psycopg
+    from psycopg import sql
+
+    from pipelines.ingest.run import ingest
+    from pipelines.sources.declarations import add_source, declare
+    from pipelines.storage.database import connect
+
+    restricted = tmp_path / "restricted.jsonl"
+    restricted.write_text("".join(json.dumps({"_id": f"r{i}", "title": f"Board memo {i}", "text": " ".join(
+        ["The board discussed leave, safety and the warehouse budget."] * (1 + i % 9))}) + "\n" for i in range(60)))
+    queries = ["parental leave policy", "how many weeks of leave", "warehouse safety", "board budget", "HR-2024-047"]
+
+    def public_results(kb_settings, with_board: bool) -> dict:
+        with connect(kb_settings) as conn:
+            add_source(conn, declare("samples", samples_copy), "tests")
+            if with_board:
+                add_source(conn, declare("board", restricted, groups=["board"]), "tests")
+            ingest(conn, embedder, kb_settings)  # one run: both sources' texts embedded together
+            return {q: [(h.source, h.document, h.content, h.score, h.dense_rank, h.dense_score, h.lexical_rank,
+                         h.lexical_score) for h in search(conn, embedder, q, 10, filters=Filters(groups=["staff"]))]
+                    for q in queries}
+
+    other = f"kb_test_{uuid.uuid4().hex[:12]}"
+    with psycopg.connect(server_url, autocommit=True) as admin:
+        admin.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(other)))
+    try:
+        info = psycopg.conninfo.conninfo_to_dict(settings.database_url)
+        other_settings = dataclasses.replace(settings, database_url=psycopg.conninfo.make_conninfo(**{**info, "dbname": other}))
+        alone = public_results(settings, with_board=False)
+        beside_board = public_results(other_settings, with_board=True)
+    finally:
+        with psycopg.connect(server_url, autocommit=True) as admin:
+            admin.execute(sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(other)))
+    assert all(alone[q] for q in queries) and not any(h[0] == "board" for q in queries for h in beside_board[q])
+    assert beside_board == alone
+
+
 def test_a_symlink_out_of_the_source_folder_is_a_per_file_error(settings, samples_copy, tmp_path, instance):
     secret = tmp_path / "outside" / "shadow.txt"
     secret.parent.mkdir()

@@ -149,7 +149,7 @@ def test_a_subset_materialization_finishes_its_run(conn, instance):
         finished, counters = conn.execute("SELECT finished_at, counters FROM ingest_runs WHERE external_run_id = %s",
                                           (result.run_id,)).fetchone()
         assert finished is not None and counters["outcome"] == "succeeded", selection
-    assert active_model(conn) is not None  # the finish switched search to the (complete) configured model
+    assert active_model(conn) is not None  # the first model serves from its registration (nothing served before)
 
 
 def test_the_run_holds_its_sources_locks_from_first_stage_to_finish(conn, settings, embedder):

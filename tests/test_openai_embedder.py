@@ -3,6 +3,8 @@ batching, bounded concurrency and retries (429 with Retry-After, 5xx, timeouts) 
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 from fake_openai import DIMENSIONS, FakeOpenAI, fake_vector, openai_settings
@@ -67,3 +69,72 @@ def test_full_ingest_through_the_openai_path(conn, settings):
     assert sum(fake.batches) == counters["chunks_inserted"] + counters["cards_written"] + 1
     assert counters["cards_written"] == 4
     assert conn.execute("SELECT vector_table FROM embedding_models").fetchone()[0] == "vectors_openai_fake_embed_8"
+
+
+def test_the_model_key_comes_from_the_configuration_never_from_the_endpoint(settings):
+    with FakeOpenAI(dimensions=4) as fake:
+        native = OpenAIEmbedder(dataclasses.replace(openai_settings(settings, fake), openai_dimensions=None))
+        requested = OpenAIEmbedder(openai_settings(settings, fake))
+        assert (native.model_key, requested.model_key) == ("openai:fake-embed:native", "openai:fake-embed:8")
+        assert fake.attempt_times == [], "deriving a key asked the endpoint"
+        assert native.dimensions == 4  # what a model not registered yet registers with: the endpoint's own length
+
+
+@pytest.mark.parametrize("requested", [None, DIMENSIONS])
+def test_an_endpoint_that_answers_another_dimension_for_one_run_changes_nothing(settings, tmp_path, monkeypatch,
+                                                                                requested):
+    """Issue 18: at 4-d for one run (no file of kb's changed) the new length became a new model that switched,
+    retired the 8-d one and dropped its table; back at 8-d every ingest exited 1 and search answered 500."""
+    import json
+
+    from click.testing import CliRunner
+    from fastapi.testclient import TestClient
+
+    from pipelines.cli import main
+    from pipelines.retrieval import responses
+    from pipelines.serving.api import create_app
+    from pipelines.settings import load_settings
+    from pipelines.storage.database import connect
+
+    def kb(*args: str, expect: int = 0) -> str:
+        result = CliRunner().invoke(main, list(args))
+        assert result.exit_code == expect, result.output
+        return result.output
+
+    def search_ok(query: str, expected: str) -> None:
+        assert any(expected in c["content"] for c in json.loads(kb("search", query, "--json"))["chunks"])
+        with TestClient(create_app(load_settings())) as client:
+            response = client.get("/v1/knowledge/search", params={"q": query})
+            assert response.status_code == 200, response.text
+            assert response.json()["chunks"][0]["content"]
+
+    def models() -> list[tuple]:
+        with connect(load_settings()) as conn:
+            rows = conn.execute("SELECT model_key, dimensions, state, to_regclass(vector_table) IS NOT NULL"
+                                " FROM embedding_models").fetchall()
+        return rows
+
+    monkeypatch.setattr(responses, "_embedders", {})  # query embedders cached by earlier tests, for other endpoints
+    records = tmp_path / "faq.jsonl"
+    records.write_text((SAMPLES_DIR / "faq.jsonl").read_text())
+    with FakeOpenAI(dimensions=DIMENSIONS) as fake:
+        for name, value in {"KB_EMBEDDER": "openai", "KB_OPENAI_MODEL": "fake-embed", "OPENAI_BASE_URL": fake.base_url,
+                            "OPENAI_API_KEY": "test-key"}.items():
+            monkeypatch.setenv(name, value)
+        if requested:
+            monkeypatch.setenv("KB_OPENAI_DIMENSIONS", str(requested))
+        kb("ingest", str(records), "--source", "faq")
+        registered = models()
+        assert [row[1:] for row in registered] == [(DIMENSIONS, "active", True)]
+
+        fake.dimensions = 4
+        records.write_text(records.read_text().replace("within 30 days", "within 45 days"))
+        failed = kb("ingest", "--source", "faq", "--json", expect=3)
+        assert "4-dimensional vectors; this model is registered with 8" in failed
+        assert models() == registered, "a 4-d answer registered, switched or dropped a model"
+        fake.dimensions = DIMENSIONS
+        search_ok("expense claims deadline", "within 30 days")  # the document kept its last good version
+
+        kb("ingest", "--source", "faq")
+        assert models() == registered
+        search_ok("expense claims deadline", "within 45 days")

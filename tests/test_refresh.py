@@ -153,17 +153,26 @@ def test_model_switch_builds_beside_the_serving_model_and_switches_atomically(co
         new_table = model_tables(conn)[new.model_key]
         assert not hnsw_indexes(conn, new_table), "a model being built grows no HNSW index row by row"
         assert dense_search(conn, embedder, "fault code encoder signal lost", k=1)[0].document
-        # Resume: only what is missing is embedded, then the switch happens and the old table and index go.
+        # Resume: only what is missing is embedded. A complete model still does not serve until an operator
+        # switches: an ingest with it configured (one run's configuration) leaves the serving model alone.
         first_half = sum(fake.batches)
         embed_pending(conn, new)
         total = conn.execute("SELECT count(DISTINCT text_hash) FROM chunks WHERE valid_to IS NULL").fetchone()[0]
         assert sum(fake.batches) == total and first_half < total
+        ingest(conn, new, openai_settings(settings, fake), ["samples"])
+        assert active_model(conn) == embedder.model_key, "an ingest switched the serving model"
+        # The operator's switch (the active_model asset): one transaction; the old model is retired, its table kept.
         assert activate_if_complete(conn, new.model_key)
         assert active_model(conn) == new.model_key
         assert hnsw_indexes(conn, new_table) == [f"{new_table}_hnsw"], "built once, before it serves"
-        assert conn.execute("SELECT to_regclass(%s)", (old_table,)).fetchone()[0] is None
+        states = dict(conn.execute("SELECT model_key, state FROM embedding_models").fetchall())
+        assert states == {embedder.model_key: "retired", new.model_key: "active"}
+        assert hnsw_indexes(conn, old_table) == [f"{old_table}_hnsw"], "a retired model's table and index are kept"
         hits = dense_search(conn, new, "fault code encoder signal lost", k=3)
         assert len(hits) == 3
+        # Switching back needs no re-embedding: nothing changed since, so the retired table is complete.
+        assert activate_if_complete(conn, embedder.model_key) and active_model(conn) == embedder.model_key
+        assert dense_search(conn, embedder, "fault code encoder signal lost", k=1)[0].document
 
 
 def hnsw_indexes(conn, table: str) -> list[str]:

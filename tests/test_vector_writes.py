@@ -88,3 +88,20 @@ def test_long_model_keys_never_share_a_vector_table():
     two = vector_store.table_name("openai:my-org/a-very-long-embedding-model-name-that-goes-on-v2:3072")
     assert one != two and len(one) <= 58 and len(two) <= 58  # room for the index's _hnsw suffix
     assert vector_store.table_name("openai:fake-embed:8") == "vectors_openai_fake_embed_8"  # short keys stay readable
+
+
+def test_a_registered_model_whose_table_is_gone_gets_an_empty_one_and_the_purge_skips_it(conn):
+    """Before issue 18 kb dropped a retired model's table and kept its row: configured again, every ingest exited
+    1 (relation does not exist). Its table is now created again, empty; it stays retired until an operator
+    switches; the retention purge, which now also cleans retired tables, skips tables that are missing."""
+    from pipelines.storage.history import purge_history
+
+    serving = ensure_vector_store(conn, "test:serving:4", 4)
+    conn.execute("INSERT INTO embedding_models (model_key, dimensions, vector_table, state)"
+                 " VALUES ('test:dropped:4', 4, 'vectors_test_dropped_4', 'retired')")
+    assert purge_history(conn, 30) == {"chunks_purged": 0, "vectors_purged": 0}
+    assert ensure_vector_store(conn, "test:dropped:4", 4) == "vectors_test_dropped_4"
+    assert rows(conn, "vectors_test_dropped_4") == []
+    states = dict(conn.execute("SELECT model_key, state FROM embedding_models").fetchall())
+    assert states == {"test:serving:4": "active", "test:dropped:4": "retired"} and vector_store.active_model(conn) == "test:serving:4"
+    assert hnsw_index(conn, serving) and not hnsw_index(conn, "vectors_test_dropped_4")

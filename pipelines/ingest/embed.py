@@ -16,7 +16,13 @@ from pipelines.ingest.failures import Failure, record_failure
 from pipelines.ingest.report import NO_PROGRESS, Progress, StageReport
 from pipelines.models.embedders import Embedder
 from pipelines.storage import bulk
-from pipelines.storage.vectors import active_model, defer_index, ensure_index, ensure_vector_store
+from pipelines.storage.vectors import (
+    active_model,
+    defer_index,
+    ensure_index,
+    ensure_vector_store,
+    registered_dimensions,
+)
 
 # Texts of drafts and of live chunks with no vector in this model's table, in hash order (keyset pages, so an
 # interrupted run resumes where it stopped). Optionally limited to some sources and to shards of the hash space
@@ -44,7 +50,7 @@ def embed_pending(conn: psycopg.Connection, embedder: Embedder, source_ids: list
                   shards: list[str] | None = None, batch_size: int = 256,
                   progress: Progress = NO_PROGRESS) -> StageReport:
     report = StageReport("embed", ("computed", "reused", "index_deferred"))
-    table = ensure_vector_store(conn, embedder.model_key, embedder.dimensions)
+    table, dimensions = model_store(conn, embedder)
     vectors = sql.Identifier(table)
     report.counts["reused"] = conn.execute(sql.SQL(REUSED).format(vectors=vectors)).fetchone()[0]
     after = ""
@@ -58,7 +64,7 @@ def embed_pending(conn: psycopg.Connection, embedder: Embedder, source_ids: list
         report.counts["index_deferred"] = int(defer_index(conn, table, missing))
     while rows := conn.execute(query, {**params, "after": after}).fetchall():
         hashes = [r[0] for r in rows]
-        bad = _embed_and_store(conn, embedder, vectors, hashes, [r[1] for r in rows])
+        bad = _embed_and_store(conn, embedder, vectors, dimensions, hashes, [r[1] for r in rows])
         _fail_documents(conn, embedder.model_key, bad, report)
         report.counts["computed"] += len(rows) - len(bad)
         after = hashes[-1]
@@ -68,9 +74,17 @@ def embed_pending(conn: psycopg.Connection, embedder: Embedder, source_ids: list
     return report.finish()
 
 
+def model_store(conn: psycopg.Connection, embedder: Embedder) -> tuple[str, int]:
+    """The model's vector table and the dimension its vectors must have: the registered one for a known model,
+    never asked of the embedder again (an endpoint that answers another length for a run must not change it);
+    a new model registers with the embedder's."""
+    dimensions = registered_dimensions(conn, embedder.model_key) or embedder.dimensions
+    return ensure_vector_store(conn, embedder.model_key, dimensions), dimensions
+
+
 def missing_by_shard(conn: psycopg.Connection, embedder: Embedder) -> dict[str, int]:
     """{shard: texts still without a vector in this model}, shards with none left out: what a backfill has left."""
-    table = ensure_vector_store(conn, embedder.model_key, embedder.dimensions)
+    table, _ = model_store(conn, embedder)
     query = sql.SQL("SELECT left(m.text_hash, 1), count(*) FROM ({}) m GROUP BY 1 ORDER BY 1").format(
         sql.SQL(MISSING).format(vectors=sql.Identifier(table)))
     return dict(conn.execute(query, {"after": "", "limit": None, "shards": None, "ids": None}).fetchall())
@@ -80,6 +94,9 @@ def invalid_vectors(vectors: np.ndarray, count: int, dimensions: int) -> dict[in
     """{row: why} for the vectors that must not be stored: every row when the batch has the wrong shape, else each
     row that is not finite or not of unit length (embedders return L2-normalised vectors; zero stays zero)."""
     vectors = np.asarray(vectors)
+    if vectors.ndim == 2 and vectors.shape[0] == count and count and vectors.shape[1] != dimensions:
+        return {i: f"the model returned {vectors.shape[1]}-dimensional vectors; this model is registered with"
+                   f" {dimensions} (a model's dimension never changes: a new one is a new model)" for i in range(count)}
     if vectors.ndim != 2 or vectors.shape != (count, dimensions):
         return {i: f"the model returned vectors of shape {vectors.shape} for {count} texts of {dimensions} dimensions"
                 for i in range(count)}
@@ -122,20 +139,20 @@ def store_vectors(conn: psycopg.Connection, table: sql.Identifier, hashes: list[
 def ensure_vectors(conn: psycopg.Connection, embedder: Embedder, texts: dict[str, str]) -> set[str]:
     """Vectors for these {text hash: text} that the model's table lacks, checked and stored; returns the hashes
     whose vector the model got wrong (not stored)."""
-    table = ensure_vector_store(conn, embedder.model_key, embedder.dimensions)
+    table, dimensions = model_store(conn, embedder)
     stored = {r[0] for r in conn.execute(sql.SQL("SELECT text_hash FROM {} WHERE text_hash = ANY(%s)")
                                          .format(sql.Identifier(table)), (list(texts),))}
     missing = [h for h in texts if h not in stored]
     if not missing:
         return set()
-    return set(_embed_and_store(conn, embedder, sql.Identifier(table), missing, [texts[h] for h in missing]))
+    return set(_embed_and_store(conn, embedder, sql.Identifier(table), dimensions, missing, [texts[h] for h in missing]))
 
 
-def _embed_and_store(conn: psycopg.Connection, embedder: Embedder, vectors: sql.Identifier, hashes: list[str],
-                     texts: list[str]) -> dict[str, str]:
+def _embed_and_store(conn: psycopg.Connection, embedder: Embedder, vectors: sql.Identifier, dimensions: int,
+                     hashes: list[str], texts: list[str]) -> dict[str, str]:
     """Embed the texts and store the vectors that pass `invalid_vectors`; returns {hash: why} for the others."""
     computed = embedder.embed(texts)
-    bad = invalid_vectors(computed, len(texts), embedder.dimensions)
+    bad = invalid_vectors(computed, len(texts), dimensions)
     keep = [i for i in range(len(texts)) if i not in bad]
     if keep:
         store_vectors(conn, vectors, [hashes[i] for i in keep], computed[keep])

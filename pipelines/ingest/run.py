@@ -7,8 +7,9 @@ The run, not its caller, owns what makes a refresh safe:
   interleave between stages, whatever started them;
 - the transaction boundaries: each stage commits its own batches, and the gated stage (publish) runs with the
   golden-set gate in one transaction, so a refresh below its floor is rolled back and the previous version serves;
-- the finish, however the run ends (every stage, a subset, a gate that stopped it, an error): the model switch
-  when the configured model is complete, and the run's counters and outcome in `ingest_runs`.
+- the finish, however the run ends (every stage, a subset, a gate that stopped it, an error): the run's counters
+  and outcome in `ingest_runs`. A run never switches the serving model: a configured model that is not the
+  serving one is built beside it, and an operator switches (the `active_model` asset, `kb dagster reembed`).
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from pipelines.models.embedders import Embedder, embedder_for
 from pipelines.settings import Settings
 from pipelines.sources.declarations import load_sources
 from pipelines.storage.locks import source_locks
-from pipelines.storage.vectors import activate_if_complete, model_tables
+from pipelines.storage.vectors import model_tables
 
 # progress(stage) -> what that stage reports to while it runs (pipelines/ingest/report.Progress)
 ProgressFactory = Callable[[str], Progress]
@@ -174,8 +175,8 @@ class IngestRun:
                                   if key != self.embedder.model_key]
 
     def _finish(self, outcome: str) -> None:
-        """Switch search to the configured model once it is complete, and record the counters of what ran."""
-        activate_if_complete(self.conn, self.embedder.model_key)
+        """Record the counters of what ran. No model switch here: what one run embedded (an endpoint that answered
+        another dimension, a configuration changed for a run) must never change which model serves."""
         self.conn.execute("UPDATE ingest_runs SET finished_at = now(), counters = %s WHERE run_id = %s",
                           (Jsonb({**self.summary().as_dict(), "outcome": outcome}), self.run_id))
 

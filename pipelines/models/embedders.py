@@ -13,7 +13,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from functools import cached_property
 from pathlib import Path
-from typing import Iterator, Protocol
+from typing import Protocol
 
 import numpy as np
 
@@ -75,18 +75,22 @@ class OnnxEmbedder:
     """The default: all-MiniLM-L6-v2 as a cached int8 ONNX graph (pipelines/models/onnx_model.py) in onnxruntime, with
     the model's own tokenizer and mean pooling, as sentence-transformers pools it.
 
-    Texts are sorted by token count and run in batches of 8: with length-sorted batches padding is near zero,
-    and small batches measured fastest on 2 cores (bench/embed_throughput.py). Its vectors differ slightly from
-    fp32 ones, so it is its own vector space (model key) and switching to it re-embeds through a backfill."""
+    Each text runs through the graph alone, unpadded, on one thread: dynamic quantization scales activations over
+    the whole input tensor, so in a batch (r2: length-sorted batches of 8) a text's vector depended on its
+    batch-mates and on their padding (cosine 0.994 to itself alone). That made vectors irreproducible and let a
+    restricted document move the dense scores a public caller sees. Alone, a text's vector is a function of the
+    text only, bitwise, on this machine's kernels; one intra-op thread per run keeps the core count out of it too.
+    Texts run in parallel on one Python thread per core, which measured faster than batches of 8 on 2 cores
+    (bench/README.md, bench/embed_batching.py). Its vectors differ from fp32 ones, so it is its own vector space (model key)."""
 
-    model_key = "local:all-MiniLM-L6-v2-int8-r2:384"  # r2: the recipe in pipelines/models/onnx_model.py
+    model_key = "local:all-MiniLM-L6-v2-int8-r3:384"  # r3: each text alone (the graph's recipe: onnx_model.py)
     dimensions = 384
     max_sequence = 256  # word pieces the model reads, [CLS] and [SEP] included; the chunker stays below it
-    batch_size = 8
 
     def __init__(self, cache_dir: Path):
         self.cache_dir = cache_dir
         self.counter = local_counter()
+        self.workers = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
     @cached_property
     def _tokenizer(self):
@@ -105,37 +109,80 @@ class OnnxEmbedder:
 
         options = onnxruntime.SessionOptions()
         options.log_severity_level = 3
+        options.intra_op_num_threads = 1  # texts run in parallel instead (a session runs concurrently)
         return onnxruntime.InferenceSession(str(int8_model(self.cache_dir)), options,
                                             providers=["CPUExecutionProvider"])
 
-    def batches(self, texts: list[str]) -> Iterator[tuple[np.ndarray, np.ndarray, np.ndarray]]:
-        """(positions in `texts`, input ids, attention mask) per model call, padded to the batch's longest."""
-        encodings = self._tokenizer.encode_batch(texts)
-        order = np.argsort([len(e.ids) for e in encodings], kind="stable")
-        for start in range(0, len(texts), self.batch_size):
-            positions = order[start:start + self.batch_size]
-            width = max(len(encodings[i].ids) for i in positions)
-            ids = np.zeros((len(positions), width), dtype=np.int64)
-            mask = np.zeros_like(ids)
-            for row, i in enumerate(positions):
-                ids[row, :len(encodings[i].ids)] = encodings[i].ids
-                mask[row, :len(encodings[i].ids)] = 1
-            yield positions, ids, mask
+    def token_ids(self, texts: list[str]) -> list[list[int]]:
+        """The word pieces the model reads for each text (cut at `max_sequence`)."""
+        return [encoding.ids for encoding in self._tokenizer.encode_batch(texts)]
+
+    def _embed_one(self, ids: list[int]) -> np.ndarray:
+        """One text's unit vector, from its own unpadded (1, n) input and nothing else."""
+        row = np.array([ids], dtype=np.int64)
+        hidden = self._session.run(None, {"input_ids": row, "attention_mask": np.ones_like(row),
+                                           "token_type_ids": np.zeros_like(row)})[0]
+        return _normalise(hidden[0].mean(axis=0, keepdims=True))[0]
 
     def embed(self, texts: list[str]) -> np.ndarray:
+        ids = self.token_ids(texts)
+        if len(ids) <= 1 or self.workers == 1:
+            vectors = [self._embed_one(i) for i in ids]
+        else:
+            with ThreadPoolExecutor(max_workers=self.workers) as pool:
+                vectors = list(pool.map(self._embed_one, ids))
+        return np.array(vectors, dtype=np.float32).reshape(len(texts), self.dimensions)
+
+
+class BatchedOnnxEmbedder(OnnxEmbedder):
+    """The previous recipe (r2): the same graph over length-sorted batches of 8, padded to the longest, on
+    onnxruntime's own threads. Its vectors depend on their batch-mates, so it is kept only to serve a store built
+    with it (queries, and new documents while the r3 backfill runs) until an operator switches."""
+
+    model_key = "local:all-MiniLM-L6-v2-int8-r2:384"
+    batch_size = 8
+
+    @cached_property
+    def _session(self):
+        import onnxruntime
+
+        from pipelines.models.onnx_model import int8_model
+
+        options = onnxruntime.SessionOptions()
+        options.log_severity_level = 3
+        return onnxruntime.InferenceSession(str(int8_model(self.cache_dir)), options,
+                                            providers=["CPUExecutionProvider"])
+
+    def embed(self, texts: list[str]) -> np.ndarray:
+        ids = self.token_ids(texts)
+        order = np.argsort([len(i) for i in ids], kind="stable")
         out = np.empty((len(texts), self.dimensions), dtype=np.float32)
-        for positions, ids, mask in self.batches(texts):
-            hidden = self._session.run(None, {"input_ids": ids, "attention_mask": mask,
-                                               "token_type_ids": np.zeros_like(ids)})[0]
+        for start in range(0, len(texts), self.batch_size):
+            positions = order[start:start + self.batch_size]
+            batch = np.zeros((len(positions), max(len(ids[i]) for i in positions)), dtype=np.int64)
+            mask = np.zeros_like(batch)
+            for row, i in enumerate(positions):
+                batch[row, :len(ids[i])], mask[row, :len(ids[i])] = ids[i], 1
+            hidden = self._session.run(None, {"input_ids": batch, "attention_mask": mask,
+                                               "token_type_ids": np.zeros_like(batch)})[0]
             out[positions] = (hidden * mask[..., None]).sum(axis=1) / mask.sum(axis=1, keepdims=True)
         return _normalise(out)
 
 
+NATIVE = "native"  # the last part of an OpenAI model's key when no dimension is requested
+
+
 class OpenAIEmbedder:
     """Batched requests with bounded concurrency; the openai client retries 408/409/429/5xx and timeouts with
-    exponential backoff and honours Retry-After, so kb does not re-implement any of it."""
+    exponential backoff and honours Retry-After, so kb does not re-implement any of it.
 
-    def __init__(self, settings: Settings):
+    The model key comes from the configuration alone, never from what the endpoint answers:
+    `openai:<model>:<KB_OPENAI_DIMENSIONS>`, or `openai:<model>:native` when no dimension is requested. A native
+    model's dimension is fixed when the model is registered (the endpoint is asked once, pipelines/ingest/embed.py);
+    answers of another length later are refused like any broken vector. An endpoint that answers 4-d vectors for
+    one run therefore cannot register, switch to or drop a model: it fails that run's documents."""
+
+    def __init__(self, settings: Settings, registered_dimensions: int | None = None):
         from pipelines.models.chat import openai_client
 
         self.model = settings.openai_model
@@ -143,15 +190,18 @@ class OpenAIEmbedder:
         self.concurrency = settings.openai_concurrency
         self.client = openai_client(settings)
         self._requested_dimensions = settings.openai_dimensions
+        self._registered_dimensions = registered_dimensions
         self.counter = TiktokenCounter(settings.state_dir / "tiktoken")
 
     @cached_property
     def dimensions(self) -> int:
-        return self._requested_dimensions or len(self._request(["dimension probe"])[0])
+        """The requested dimension, else the registered one, else (a model not registered yet) the endpoint's."""
+        return (self._requested_dimensions or self._registered_dimensions
+                or len(self._request(["dimension probe"])[0]))
 
     @property
     def model_key(self) -> str:
-        return f"openai:{self.model}:{self.dimensions}"
+        return f"openai:{self.model}:{self._requested_dimensions or NATIVE}"
 
     def _request(self, batch: list[str]) -> list[list[float]]:
         extra = {"dimensions": self._requested_dimensions} if self._requested_dimensions else {}
@@ -175,8 +225,17 @@ def make_embedder(settings: Settings) -> Embedder:
     return TorchEmbedder() if settings.embedder == "local-fp32" else OnnxEmbedder(settings.model_cache)
 
 
-def embedder_for(model_key: str, settings: Settings) -> Embedder:
-    """The embedder that produced a stored model's vectors (search must embed queries in the same space)."""
+def embedder_for(model_key: str, settings: Settings, dimensions: int | None = None) -> Embedder:
+    """The embedder that produced a stored model's vectors (search must embed queries in the same space);
+    `dimensions`, the model's registered dimension, is what a native OpenAI model's answers are held to."""
+    provider, _, rest = model_key.partition(":")
+    if provider == "openai":
+        name, _, dims = rest.rpartition(":")
+        if dims != NATIVE and not dims.isdigit():
+            raise ValueError(f"do not know how to embed queries for model {model_key!r}")
+        requested = None if dims == NATIVE else int(dims)
+        return OpenAIEmbedder(replace(settings, embedder="openai", openai_model=name, openai_dimensions=requested),
+                              dimensions)
     configured = make_embedder(settings)
     if configured.model_key == model_key:
         return configured
@@ -184,8 +243,6 @@ def embedder_for(model_key: str, settings: Settings) -> Embedder:
         return TorchEmbedder()
     if model_key == OnnxEmbedder.model_key:
         return OnnxEmbedder(settings.model_cache)
-    provider, _, rest = model_key.partition(":")
-    name, _, dims = rest.rpartition(":")
-    if provider != "openai" or not dims.isdigit():
-        raise ValueError(f"do not know how to embed queries for model {model_key!r}")
-    return OpenAIEmbedder(replace(settings, embedder="openai", openai_model=name, openai_dimensions=int(dims)))
+    if model_key == BatchedOnnxEmbedder.model_key:
+        return BatchedOnnxEmbedder(settings.model_cache)
+    raise ValueError(f"do not know how to embed queries for model {model_key!r}")

@@ -15,7 +15,7 @@ from pipelines.retrieval.search import (
     visible_sources,
 )
 from pipelines.settings import Settings
-from pipelines.storage.vectors import active_model
+from pipelines.storage.vectors import active_model, registered_dimensions
 
 
 class EmptyKnowledgeBase(LookupError):
@@ -32,10 +32,11 @@ def _serving_model(conn: psycopg.Connection) -> str:
 _embedders: dict[str, Embedder] = {}
 
 
-def _query_embedder(model_key: str, settings: Settings) -> Embedder:
-    """Loaded once per process and model: a server must not reload the model per request."""
+def _query_embedder(conn: psycopg.Connection, model_key: str, settings: Settings) -> Embedder:
+    """Loaded once per process and model: a server must not reload the model per request. Query vectors are held
+    to the model's registered dimension, whatever its endpoint answers."""
     if model_key not in _embedders:
-        _embedders[model_key] = embedder_for(model_key, settings)
+        _embedders[model_key] = embedder_for(model_key, settings, registered_dimensions(conn, model_key))
     return _embedders[model_key]
 
 
@@ -77,7 +78,7 @@ def serving_problem(conn: psycopg.Connection, settings: Settings) -> tuple[str |
 
 def query_embedder(conn: psycopg.Connection, settings: Settings) -> Embedder:
     """The embedder of the model being served: queries must be embedded in the vector space search reads."""
-    return _query_embedder(_serving_model(conn), settings)
+    return _query_embedder(conn, _serving_model(conn), settings)
 
 
 def retrieve(conn: psycopg.Connection, settings: Settings, query: str, k: int = 5, *, arm: str = "hybrid",
@@ -88,7 +89,7 @@ def retrieve(conn: psycopg.Connection, settings: Settings, query: str, k: int = 
     diversity, freshness boost) work on the over-fetched candidates. `vector` replaces the query's own embedding
     in the dense arm (HyDE)."""
     model = _serving_model(conn)
-    embedder = _query_embedder(model, settings)
+    embedder = _query_embedder(conn, model, settings)
     reranker = _reranker(settings) if rerank else None
     post = reranker is not None or diversity > 0 or freshness > 0
     if vector is None and (arm != "lexical" or diversity > 0):
@@ -148,6 +149,6 @@ def run_citation_check(conn: psycopg.Connection, settings: Settings, claims: lis
 
     model = _serving_model(conn)
     readable = list(visible_sources(conn, groups))
-    results = validate_citations(conn, _query_embedder(model, settings), claims, retrieved, readable)
+    results = validate_citations(conn, _query_embedder(conn, model, settings), claims, retrieved, readable)
     counts = {status: sum(r.status == status for r in results) for status in ("VALID", "WEAK", "INVALID")}
     return {"citations": [r.as_dict() for r in results], "summary": counts}

@@ -47,6 +47,9 @@ def purge_history(conn: psycopg.Connection, older_than_days: int) -> dict[str, i
     with conn.transaction():
         chunks = conn.execute(PURGE, {"days": older_than_days}).fetchone()[0]
         vectors = 0
-        for (table,) in conn.execute("SELECT vector_table FROM embedding_models WHERE state <> 'retired'").fetchall():
+        # Retired models' tables are kept (until an operator drops them) and purged alike; before issue 18 kb dropped
+        # them, so a registered model may have no table.
+        for (table,) in conn.execute("SELECT vector_table FROM embedding_models"
+                                     " WHERE to_regclass(format('%I', vector_table)) IS NOT NULL").fetchall():
             vectors += conn.execute(sql.SQL(UNUSED_VECTORS).format(table=sql.Identifier(table))).rowcount
     return {"chunks_purged": chunks, "vectors_purged": vectors}

@@ -33,22 +33,25 @@ def table_name(model_key: str) -> str:
 
 
 def ensure_vector_store(conn: psycopg.Connection, model_key: str, dimensions: int) -> str:
-    """Create the model's vector table and HNSW index if needed; returns the table name."""
+    """Register the model with this dimension and create its vector table and HNSW index if needed; returns the
+    table name. A model registers as the serving one only when no model serves yet; otherwise it is built beside
+    it and serves only when an operator switches (`activate_if_complete`). A registered model whose table is gone
+    (dropped by hand, or by kb before issue 18 when it retired a model) gets an empty one again."""
     row = _registered(conn, model_key, dimensions)
-    if row is not None:
+    if row is not None and _exists(conn, row):
         return row
-    table = table_name(model_key)
+    table = row or table_name(model_key)
     with conn.transaction():
         # Backfill shards start together, on one machine or many: one creates the table, the others wait and find it
         # (concurrent CREATE TABLE IF NOT EXISTS can fail on the catalog's unique indexes).
         conn.execute("SELECT pg_advisory_xact_lock(hashtext('kb.ensure_vector_store'))")
         row = _registered(conn, model_key, dimensions)
-        if row is not None:
+        if row is not None and _exists(conn, row):
             return row
         conn.execute(sql.SQL(TEMPLATE.read_text()).format(table=sql.Identifier(table),
                                                           dimensions=sql.Literal(int(dimensions))))
-        active = conn.execute("SELECT count(*) FROM embedding_models WHERE state = 'active'").fetchone()[0]
-        if not active:
+        active = active_model(conn)
+        if active is None or active == model_key:
             ensure_index(conn, table)  # it serves from its first vector; a model being built gets its index at activation
         conn.execute(
             "INSERT INTO embedding_models (model_key, dimensions, vector_table, state, activated_at)"
@@ -56,6 +59,16 @@ def ensure_vector_store(conn: psycopg.Connection, model_key: str, dimensions: in
             (model_key, dimensions, table, "building" if active else "active", not active),
         )
     return table
+
+
+def registered_dimensions(conn: psycopg.Connection, model_key: str) -> int | None:
+    """The dimension a model was registered with: fixed for good, whatever its embedder answers later."""
+    row = conn.execute("SELECT dimensions FROM embedding_models WHERE model_key = %s", (model_key,)).fetchone()
+    return row[0] if row else None
+
+
+def _exists(conn: psycopg.Connection, table: str) -> bool:
+    return conn.execute("SELECT to_regclass(%s) IS NOT NULL", (sql.Identifier(table).as_string(conn),)).fetchone()[0]
 
 
 def _registered(conn: psycopg.Connection, model_key: str, dimensions: int) -> str | None:
@@ -122,11 +135,14 @@ def _switch_readiness(conn: psycopg.Connection, model_key: str, lock: bool = Fal
 
 
 def activate_if_complete(conn: psycopg.Connection, model_key: str) -> bool:
-    """Switch search to a model being built once every live chunk has its vector, in one transaction, then drop
-    the previous model's table and index. Returns True when the model is (now) the active one.
+    """Switch search to a model being built once every live chunk has its vector, in one transaction; the previous
+    model is retired, its table and index kept (switching back needs no re-embedding; docs/architecture.md says how
+    an operator drops one). Returns True when the model is (now) the active one.
 
-    The new table's HNSW index is built here, once, over the complete backfill and before it serves (outside
-    the switch's transaction, which re-checks readiness under a row lock)."""
+    Only an operator's switch calls this (the `active_model` asset, `kb dagster reembed`), never an ingest: what a
+    run happens to embed must not change which model serves. The new table's HNSW index is built here, once,
+    over the complete backfill and before it serves (outside the switch's transaction, which re-checks readiness
+    under a row lock)."""
     readiness, table = _switch_readiness(conn, model_key)
     if readiness != "ready":
         return readiness == "active"
@@ -135,8 +151,6 @@ def activate_if_complete(conn: psycopg.Connection, model_key: str) -> bool:
         readiness, _ = _switch_readiness(conn, model_key, lock=True)
         if readiness != "ready":
             return readiness == "active"
-        retired = conn.execute("UPDATE embedding_models SET state = 'retired' WHERE state = 'active' RETURNING vector_table").fetchall()
+        conn.execute("UPDATE embedding_models SET state = 'retired' WHERE state = 'active'")
         conn.execute("UPDATE embedding_models SET state = 'active', activated_at = now() WHERE model_key = %s", (model_key,))
-        for (old_table,) in retired:
-            conn.execute(sql.SQL("DROP TABLE IF EXISTS {}").format(sql.Identifier(old_table)))
     return True
