@@ -122,13 +122,33 @@ def _progress_factory(enabled: bool):
 
 def _usage_problem(exc: Exception) -> str | None:
     """The one line to show when an error is the user's to fix (exit 2), else None."""
+    from pipelines.evaluation.evaluate import DatasetError
     from pipelines.models.chat import ChatNotConfigured
     from pipelines.settings import ConfigError
     from pipelines.sources.declarations import DeclarationError
     from pipelines.storage.database import DatabaseUnavailable
 
-    if isinstance(exc, (DeclarationError, ConfigError, DatabaseUnavailable, ChatNotConfigured)):
+    if isinstance(exc, (DeclarationError, ConfigError, DatabaseUnavailable, ChatNotConfigured, DatasetError)):
         return str(exc)
+    if type(exc).__module__.startswith("openai"):
+        return _endpoint_problem(exc)
+    return None
+
+
+def _endpoint_problem(exc: Exception) -> str | None:
+    """An OpenAI-compatible endpoint's refusal that the user fixes in the settings: a key it does not take, a model
+    it does not serve. (Outages are retried by the client; what is left of them is an ordinary error.)"""
+    import openai
+
+    from pipelines.models.chat import endpoint
+
+    where = endpoint(load_settings())
+    if isinstance(exc, openai.AuthenticationError):
+        return f"{where} refused the key (401): check OPENAI_API_KEY"
+    if isinstance(exc, openai.NotFoundError):
+        return f"{where} answered 404 ({exc.message}): check the model name (KB_CHAT_MODEL, KB_OPENAI_MODEL)"
+    if isinstance(exc, openai.APIConnectionError):
+        return f"lost the connection to {where} ({exc}); check that the server is running and OPENAI_BASE_URL"
     return None
 
 
@@ -364,7 +384,8 @@ def history(document, as_json) -> None:
     with connect(load_settings()) as conn:
         versions = document_history(conn, document)
     if not versions:
-        raise click.ClickException(f"no history for {document!r}")
+        raise UserError(f"no document {document!r} in any source: give it as `kb search` shows it, SOURCE:PATH"
+                        " (such as handbook:leave-policy.md); `kb status` lists the sources")
     text = "\n".join(f"v{v['version']} {_when(v['recorded_at'])} {v['event']:<9} {v['content_hash'] or '-'}"
                      f"  +{v['chunks_added']} -{v['chunks_closed']} ={v['chunks_kept']}" for v in versions)
     _emit(versions, as_json, text)
@@ -429,6 +450,12 @@ def evaluate(datasets, split, database_url, weights, misses, per_query_path, com
 
     if not datasets and not answer_set:
         raise click.UsageError("give a BEIR dataset folder, or --answers FILE")
+    from pipelines.evaluation.evaluate import check_dataset, read_answer_set
+
+    for dataset in datasets:  # every input checked before the first dataset is ingested
+        check_dataset(dataset, split)
+    if answer_set:
+        read_answer_set(answer_set)
     settings = load_settings()
     reranker = make_reranker(settings)
     report = {dataset.name: evaluate_dataset(settings, dataset, split, database_url, weights, misses, reranker,
@@ -500,10 +527,40 @@ def serve(host, port, require_key) -> None:
     if os.environ.get("KB_API_KEY"):
         raise UserError("KB_API_KEY is no longer read: create per-caller keys bound to groups with"
                                " `kb keys create NAME --group G`, then unset KB_API_KEY")
+    _check_port_free(host, port)
+    settings = load_settings()
+    if settings.chat_model:  # answers need it: say what is missing now, not at the first question
+        from pipelines.models.chat import check_endpoint
+
+        check_endpoint(settings)
     # uvicorn shuts down gracefully on SIGTERM, then re-raises it to the handler it found: make that handler an
     # ordinary exit, so that exit handlers run and the embedded PostgreSQL this server started is stopped with it.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
-    uvicorn.run(create_app(require_key=require_key), host=host, port=port)
+    try:
+        uvicorn.run(create_app(require_key=require_key), host=host, port=port)
+    except SystemExit as stop:
+        if stop.code == 3:  # uvicorn's "startup failed", which is not kb's exit 3 ("files failed")
+            raise click.ClickException("the server did not start (see uvicorn's lines above)") from None
+        raise
+
+
+def _check_port_free(host: str, port: int) -> None:
+    """A port in use is one line and exit 2 before uvicorn starts (it would log, then exit 3, kb's code for failed
+    files). Bound as uvicorn binds it (SO_REUSEADDR), so a port in TIME_WAIT is not mistaken for a busy one."""
+    import socket
+
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except OSError as exc:
+        raise UserError(f"--host {host}: {exc.strerror or exc}") from None
+    family, kind, proto, _, address = infos[0]
+    with socket.socket(family, kind, proto) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind(address)
+        except OSError as exc:
+            raise UserError(f"cannot listen on {host}:{port}: {exc.strerror or exc} (another `kb serve`?); stop it,"
+                            " or give another --port") from None
 
 
 @main.command()

@@ -100,12 +100,26 @@ def find_home(env, start: Path | None = None) -> tuple[Path, str]:
     return Path(platformdirs.user_data_dir("kb")).resolve(), "per-user default"
 
 
+def _check_database_url(url: str) -> None:
+    """A DATABASE_URL libpq cannot read is a setting to fix (one line), not a driver exception at the first query."""
+    import psycopg
+
+    try:
+        psycopg.conninfo.conninfo_to_dict(url)
+    except psycopg.ProgrammingError as exc:
+        raise ConfigError(f"DATABASE_URL is not a PostgreSQL connection string ({' '.join(str(exc).split())}): write"
+                          " it as postgresql://USER:PASSWORD@HOST:5432/DBNAME, or unset it to use kb's embedded"
+                          " server") from None
+
+
 def _load(env) -> Settings:
     home, origin = find_home(env)
     embedder = env.get("KB_EMBEDDER", "local").lower()
     if embedder not in EMBEDDERS:
         raise ConfigError(f"KB_EMBEDDER must be one of {', '.join(EMBEDDERS)}, not {embedder!r}")
     dims = env.get("KB_OPENAI_DIMENSIONS")
+    if env.get("DATABASE_URL"):
+        _check_database_url(env["DATABASE_URL"])
     return Settings(
         home=home,
         home_origin=origin,

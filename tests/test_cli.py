@@ -155,7 +155,7 @@ def test_user_mistakes_exit_2_with_one_clear_line(settings, tmp_path):
     one_error_line(kb("status", env={**os.environ, "KB_EMBEDDER": "bogus"}), "KB_EMBEDDER", "bogus")
     unreachable = f"postgresql://kb@127.0.0.1:{free_port()}/kb"
     one_error_line(kb("status", env={**os.environ, "DATABASE_URL": unreachable}), "cannot connect to PostgreSQL",
-                   "DATABASE_URL")
+                   "check DATABASE_URL, or unset it")
     nan = kb("search", "leave", "--lexical-weight", "nan")
     assert nan.returncode == 2 and "'nan' is not a number from 0 to 1" in nan.stderr and "Traceback" not in nan.stderr
 
@@ -263,3 +263,45 @@ def test_an_embedded_server_that_cannot_start_or_a_full_disk_is_one_line(tmp_pat
     full = psycopg.errors.DiskFull("could not extend file \"base/16384/16385\": No space left on device")
     message = describe_lost_connection(full, load_settings())
     assert "is full" in message and "free some disk space" in message
+
+
+def test_a_database_url_that_is_not_one_is_one_line(tmp_path):
+    one_error_line(kb("status", env={**os.environ, "DATABASE_URL": "not-a-url"}),
+                   "DATABASE_URL is not a PostgreSQL connection string", "postgresql://USER:PASSWORD@HOST:5432/DBNAME")
+
+
+def test_kb_eval_names_what_a_dataset_or_a_question_set_lacks(settings, tmp_path):
+    folder = small_folder(tmp_path)
+    one_error_line(kb("eval", str(folder)), f"{folder} is not a BEIR dataset", "qrels/test.tsv", "scifact.zip")
+    (folder / "corpus.jsonl").write_text("")
+    (folder / "queries.jsonl").write_text("")
+    (folder / "qrels").mkdir()
+    (folder / "qrels" / "dev.tsv").write_text("")
+    one_error_line(kb("eval", str(folder), "--split", "test"), "no qrels/test.tsv", "its splits are dev")
+    questions = tmp_path / "questions.jsonl"
+    questions.write_text('{"q": "How long is parental leave?"}\n')
+    one_error_line(kb("eval", "--answers", str(questions)), 'line 1 has no "question"', "samples/answers.jsonl")
+
+
+def test_history_of_an_unknown_document_is_one_line(settings):
+    one_error_line(kb("history", "nosuch.md"), "no document 'nosuch.md'", "SOURCE:PATH")
+
+
+def test_serve_on_a_busy_port_is_one_line_not_uvicorns_log():
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        out = kb("serve", "--port", str(port))
+    one_error_line(out, f"cannot listen on 127.0.0.1:{port}", "--port")
+    assert "INFO" not in out.stderr
+
+
+def test_an_openai_endpoint_that_is_not_configured_or_not_listening_fails_at_once(settings, tmp_path):
+    """Named before any request, so the client's retries (about 24 s, then `Connection error.`) never start."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("OPENAI_")}
+    one_error_line(kb("ingest", str(small_folder(tmp_path)), env={**env, "KB_EMBEDDER": "openai"}),
+                   "KB_EMBEDDER=openai needs an OpenAI-compatible endpoint", "OPENAI_API_KEY", "OPENAI_BASE_URL")
+    dead = f"http://127.0.0.1:{free_port()}/v1"
+    one_error_line(kb("serve", "--port", str(free_port()), env={**env, "KB_CHAT_MODEL": "gpt-x", "OPENAI_BASE_URL": dead}),
+                   f"KB_CHAT_MODEL=gpt-x: cannot reach {dead}", "OPENAI_BASE_URL")

@@ -11,6 +11,7 @@ import statistics
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Iterator
 
 import psycopg
 
@@ -43,24 +44,82 @@ def latency_summary(ms: list[float]) -> dict[str, float]:
     return {"median": statistics.median(ordered), "p95": ordered[int(0.95 * len(ordered)) - 1]}
 
 
+BEIR_DOWNLOAD = "https://public.ukp.informatik.tu-darmstadt.de/thakur/BEIR/datasets/scifact.zip"
+
+
+class DatasetError(ValueError):
+    """An evaluation input that is not what `kb eval` reads (not a BEIR folder, a question set without questions):
+    the user's to fix, so the CLI shows it as one line (exit 2) naming the file and the fix."""
+
+
+def check_dataset(dataset: Path, split: str | None) -> str:
+    """The split to evaluate, once the folder is known to be a BEIR dataset; checked before anything is ingested."""
+    split = split or default_split(dataset)
+    missing = [name for name in ("corpus.jsonl", "queries.jsonl", f"qrels/{split}.tsv") if not (dataset / name).is_file()]
+    if missing == [f"qrels/{split}.tsv"] and (splits := sorted(p.stem for p in (dataset / "qrels").glob("*.tsv"))):
+        raise DatasetError(f"{dataset}: no qrels/{split}.tsv; its splits are {', '.join(splits)} (--split)")
+    if missing:
+        raise DatasetError(f"{dataset} is not a BEIR dataset: it has no {', '.join(missing)}. A BEIR folder holds"
+                           f" corpus.jsonl, queries.jsonl and qrels/<split>.tsv; download one, e.g. SciFact from"
+                           f" {BEIR_DOWNLOAD}, and unzip it")
+    return split
+
+
+def _json_lines(path: Path) -> Iterator[tuple[int, dict]]:
+    """(line number, JSON object) of each non-blank line; a line that is not one is a DatasetError naming it."""
+    with open(path, encoding="utf-8") as handle:
+        for number, line in enumerate(handle, 1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except ValueError as exc:
+                raise DatasetError(f"{path} line {number} is not valid JSON ({exc})") from None
+            if not isinstance(record, dict):
+                raise DatasetError(f"{path} line {number} is not a JSON object")
+            yield number, record
+
+
 def load_dataset_queries(dataset: Path, split: str) -> tuple[dict[str, str], dict[str, dict[str, int]], dict[str, dict]]:
     """Queries that have judgements in the split, the judgements {query_id: {doc_id: relevance}}, and each query's
     metadata (an identifier set's `kind` and `form`, for per-kind reports)."""
     qrels: dict[str, dict[str, int]] = {}
-    with open(dataset / "qrels" / f"{split}.tsv", encoding="utf-8") as handle:
-        for line in handle:
+    path = dataset / "qrels" / f"{split}.tsv"
+    with open(path, encoding="utf-8") as handle:
+        for number, line in enumerate(handle, 1):
             parts = line.rstrip("\n").split("\t")
             if len(parts) < 3 or parts[0] == "query-id":
                 continue
-            qrels.setdefault(parts[0], {})[parts[1]] = int(parts[2])
+            try:
+                qrels.setdefault(parts[0], {})[parts[1]] = int(parts[2])
+            except ValueError:
+                raise DatasetError(f"{path} line {number}: the score {parts[2]!r} is not a whole number"
+                                   " (query-id, corpus-id, score, tab-separated)") from None
     queries, metadata = {}, {}
-    with open(dataset / "queries.jsonl", encoding="utf-8") as handle:
-        for line in handle:
-            record = json.loads(line)
-            if str(record["_id"]) in qrels:
-                queries[str(record["_id"])] = record["text"]
-                metadata[str(record["_id"])] = record.get("metadata") or {}
+    for number, record in _json_lines(dataset / "queries.jsonl"):
+        if "_id" not in record or not isinstance(record.get("text"), str):
+            raise DatasetError(f"{dataset / 'queries.jsonl'} line {number}: a query is {{\"_id\": ..., \"text\": ...}}")
+        if str(record["_id"]) in qrels:
+            queries[str(record["_id"])] = record["text"]
+            metadata[str(record["_id"])] = record.get("metadata") or {}
     return queries, {q: rels for q, rels in qrels.items() if q in queries}, metadata
+
+
+def read_answer_set(path: Path) -> list[dict]:
+    """The question set of `kb eval --answers`: one {"question", "document" (source:path, or null when the
+    documents do not hold the answer), "answer" (a phrase the answer should hold)} per line."""
+    cases = []
+    for number, case in _json_lines(path):
+        if not isinstance(case.get("question"), str) or not case["question"].strip():
+            raise DatasetError(f"{path} line {number} has no \"question\": each line is {{\"question\": ...,"
+                               " \"document\": \"source:path\" or null, \"answer\": ...}, as in samples/answers.jsonl")
+        for key in ("document", "answer"):
+            if case.get(key) is not None and not isinstance(case[key], str):
+                raise DatasetError(f"{path} line {number}: \"{key}\" must be a string or null")
+        cases.append(case)
+    if not cases:
+        raise DatasetError(f"{path} holds no questions (one JSON object per line, as in samples/answers.jsonl)")
+    return cases
 
 
 def document_run(hits, limit: int = 100) -> dict[str, float]:
@@ -190,7 +249,7 @@ def evaluate_dataset(settings, dataset: Path, split: str | None = None, database
     from pipelines.storage.status import ingest_statistics
 
     name = re.sub(r"[^a-z0-9]+", "_", dataset.resolve().name.lower())
-    split = split or default_split(dataset)
+    split = check_dataset(dataset, split)
     settings = dataclasses.replace(settings, database_url=database_url or ensure_database(server_url(settings), f"kb_eval_{name}"))
     queries, qrels, metadata = load_dataset_queries(dataset, split)
     source_id = f"beir-{name}"
@@ -235,7 +294,7 @@ def evaluate_answers(conn: psycopg.Connection, settings, path: Path, groups: lis
     from pipelines.answers.answer import answer_question
     from pipelines.retrieval.responses import retrieve
 
-    cases = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    cases = read_answer_set(path)
     filters = Filters(groups=groups)
     retrieval = {}
     for mode in ("chunks", "qa_first"):

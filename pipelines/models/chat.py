@@ -4,17 +4,60 @@ exponential backoff and honours Retry-After, as for embeddings."""
 
 from __future__ import annotations
 
-from pipelines.settings import Settings
+import os
+import socket
+from urllib.parse import urlsplit
+
+from pipelines.settings import ConfigError, Settings
+
+OPENAI_ENDPOINT = "https://api.openai.com/v1"
+PROXIES = ("HTTPS_PROXY", "https_proxy", "HTTP_PROXY", "http_proxy", "ALL_PROXY", "all_proxy")
+_reached: set[str] = set()  # endpoints this process has connected to (a later outage is the client's to retry)
 
 
 class ChatNotConfigured(RuntimeError):
     pass
 
 
-def openai_client(settings: Settings):
-    """The client for OPENAI_BASE_URL, chat and embeddings alike (its key, retries and timeout)."""
+def endpoint(settings: Settings) -> str:
+    return settings.openai_base_url or OPENAI_ENDPOINT
+
+
+def _user(settings: Settings) -> str:
+    return f"KB_CHAT_MODEL={settings.chat_model}" if settings.chat_model else "KB_EMBEDDER=openai"
+
+
+def check_endpoint(settings: Settings, needed_by: str | None = None) -> None:
+    """Fail at once, naming the setting and the endpoint, when the endpoint cannot serve: no key for api.openai.com
+    and no other server, or nothing listening where OPENAI_BASE_URL points. Without this the client's retries
+    spend about 24 s before a bare `Connection error.`. (Behind a proxy only the client can tell.)"""
+    needed_by = needed_by or _user(settings)
+    if not settings.openai_api_key and not settings.openai_base_url:
+        raise ConfigError(f"{needed_by} needs an OpenAI-compatible endpoint and none is configured: set OPENAI_API_KEY"
+                          f" to use {OPENAI_ENDPOINT}, or OPENAI_BASE_URL to use another server (a local one may need"
+                          " no key)")
+    url = endpoint(settings)
+    if url in _reached or any(os.environ.get(name) for name in PROXIES):
+        return
+    parts = urlsplit(url)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ConfigError(f"OPENAI_BASE_URL {url!r} is not an http(s) URL, such as http://localhost:8080/v1")
+    try:
+        socket.create_connection((parts.hostname, parts.port or (443 if parts.scheme == "https" else 80)),
+                                 timeout=5).close()
+    except OSError as exc:
+        where = "OPENAI_BASE_URL" if settings.openai_base_url else "the network (no OPENAI_BASE_URL is set)"
+        raise ConfigError(f"{needed_by}: cannot reach {url} ({exc.strerror or exc}); check {where} and that the"
+                          " server is running") from None
+    _reached.add(url)
+
+
+def openai_client(settings: Settings, needed_by: str | None = None):
+    """The client for OPENAI_BASE_URL, chat and embeddings alike (its key, retries and timeout), once the endpoint is
+    known to be configured and listening (`needed_by` names the setting that wants it, for the error)."""
     from openai import OpenAI
 
+    check_endpoint(settings, needed_by)
     return OpenAI(api_key=settings.openai_api_key or "not-needed", base_url=settings.openai_base_url,
                   max_retries=settings.openai_max_retries, timeout=settings.openai_timeout_s)
 

@@ -188,7 +188,7 @@ class OpenAIEmbedder:
         self.model = settings.openai_model
         self.batch_size = settings.openai_batch_size
         self.concurrency = settings.openai_concurrency
-        self.client = openai_client(settings)
+        self.client = openai_client(settings, needed_by="KB_EMBEDDER=openai")
         self._requested_dimensions = settings.openai_dimensions
         self._registered_dimensions = registered_dimensions
         self.counter = TiktokenCounter(settings.state_dir / "tiktoken")

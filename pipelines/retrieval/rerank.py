@@ -53,7 +53,7 @@ class LLMReranker:
 
     def __init__(self, settings: Settings, model: str):
         self.model = model
-        self.client = openai_client(settings)
+        self.client = openai_client(settings, needed_by="KB_RERANK=llm")
 
     def rerank(self, query: str, hits: list[Hit]) -> list[Hit]:
         if not hits:

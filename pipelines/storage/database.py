@@ -121,7 +121,7 @@ def connect(settings: Settings) -> Iterator[psycopg.Connection]:
         conn = psycopg.connect(url, autocommit=True, connect_timeout=10)
     except psycopg.OperationalError as exc:
         raise DatabaseUnavailable(f"cannot connect to PostgreSQL at {_where(settings)}: {' '.join(str(exc).split())};"
-                                  " check DATABASE_URL (unset, kb uses its embedded server)") from None
+                                  " check DATABASE_URL, or unset it to use kb's embedded server") from None
     try:
         if url not in _migrated:
             try:
