@@ -340,6 +340,8 @@ def search(query, k, source_id, arm, mode, lexical_weight, k_overfetch, groups, 
     settings = load_settings()
     filters = Filters(source_id=source_id, groups=list(groups), as_of=as_of)
     with connect(settings) as conn:
+        if note := _check_readers(conn, source_id, groups, as_of):
+            click.echo(note, err=True)
         try:
             data = run_search(conn, settings, query, k, arm=arm, mode=mode, lexical_weight=lexical_weight,
                               k_overfetch=k_overfetch, filters=filters, debug=debug, rerank=not no_rerank,
@@ -569,31 +571,89 @@ def _check_port_free(host: str, port: int) -> None:
 @click.option("--strict", is_flag=True, help="Exit 3 when any citation is INVALID.")
 @click.option("--json", "as_json", is_flag=True)
 def cite(answer, groups, strict, as_json) -> None:
-    """Validate an answer's citations. ANSWER is a JSON file (or - for stdin):
+    """Validate an answer's citations. ANSWER is a JSON file (or - for stdin): `kb ask --json` output, or
     {"claims": [{"text": ..., "citations": [chunk_id, ...]}], "retrieved": [chunk_id, ...]}."""
     from pipelines.retrieval.responses import EmptyKnowledgeBase, run_citation_check
     from pipelines.storage.database import connect
 
     try:
-        payload = json.load(answer)
-        claims, retrieved = payload.get("claims", []), payload.get("retrieved", [])
-        if not isinstance(claims, list) or not all(isinstance(c, dict) and isinstance(c.get("text"), str) for c in claims):
-            raise ValueError('"claims" must be a list of {"text": ..., "citations": [chunk id, ...]}')
-        if not isinstance(retrieved, list) or not all(isinstance(i, int) for i in retrieved):
-            raise ValueError('"retrieved" must be a list of chunk ids')
-    except (ValueError, AttributeError) as exc:
+        claims, retrieved = _claims_to_check(json.load(answer))
+    except (ValueError, AttributeError, KeyError, TypeError) as exc:
         raise UserError(f"{answer.name}: not an answer to check: {exc}") from None
     settings = load_settings()
     with connect(settings) as conn:
+        _check_readers(conn, None, groups)
         try:
             data = run_citation_check(conn, settings, claims, retrieved, list(groups))
         except EmptyKnowledgeBase as exc:
             raise click.ClickException(str(exc)) from exc
     text = "\n".join(f"{c['status']:<8} chunk {c['chunk_id']}: {c['reason']} | {_snippet(c['claim'], 70)}"
-                     for c in data["citations"])
+                     for c in data["citations"]) or "no citations to check: the answer makes no claim"
     _emit(data, as_json, text)
     if strict and data["summary"]["INVALID"]:
         sys.exit(EXIT_INVALID_CITATIONS)
+
+
+def _claims_to_check(payload) -> tuple[list[dict], list[int]]:
+    """(claims, retrieved chunk ids) of an answer: kb's own (`kb ask --json`: sentences citing chunks, the contexts
+    it was given) or the documented {"claims", "retrieved"}. Anything else is refused: a file that is not an answer
+    must not pass as one that cites nothing (`--strict` would exit 0)."""
+    def chunk_id(item) -> int:
+        value = item["chunk_id"] if isinstance(item, dict) else item
+        if not isinstance(value, int) or isinstance(value, bool):
+            raise ValueError(f"{value!r} is not a chunk id")
+        return value
+
+    if not isinstance(payload, dict):
+        raise ValueError("expected a JSON object")
+    if "claims" in payload:
+        claims, retrieved = payload["claims"], payload.get("retrieved", [])
+    elif "sentences" in payload and "contexts" in payload:  # kb ask --json
+        claims = [{"text": s["text"], "citations": [chunk_id(c) for c in s["citations"]]} for s in payload["sentences"]]
+        retrieved = [chunk_id(c) for c in payload["contexts"]]
+    else:
+        raise ValueError('it has neither "claims" nor "sentences" and "contexts" (`kb ask --json` output)')
+    if not isinstance(claims, list) or not all(isinstance(c, dict) and isinstance(c.get("text"), str)
+                                               and isinstance(c.get("citations", []), list) for c in claims):
+        raise ValueError('"claims" must be a list of {"text": ..., "citations": [chunk id, ...]}')
+    if not isinstance(retrieved, list) or not all(isinstance(i, int) for i in retrieved):
+        raise ValueError('"retrieved" must be a list of chunk ids')
+    return [{**c, "citations": [chunk_id(i) for i in c.get("citations", [])]} for c in claims], retrieved
+
+
+def _check_readers(conn, source_id: str | None, groups, as_of=None) -> str | None:
+    """What the caller named must exist and be readable, or the command says so (exit 2) instead of answering "no
+    results": a --source-id nobody declared, a source the --group cannot read, a group no source names. Returns a
+    note naming the sources this caller does not read (an operator's CLI reads as its --group, public otherwise)."""
+    from pipelines.sources.declarations import load_sources
+
+    declared = load_sources(conn)
+    in_use = sorted({g for s in declared for g in s.groups or ()})
+    unknown = [g for g in groups if g not in in_use]
+    if unknown:
+        raise UserError(f"no declared source is readable by group {', '.join(map(repr, unknown))}"
+                        f" ({'groups in use: ' + ', '.join(in_use) if in_use else 'every source is public'});"
+                        " see `kb source list`")
+    hidden = [s for s in declared if s.groups and not set(s.groups) & set(groups)]
+    if source_id is not None:
+        named = next((s for s in declared if s.source_id == source_id), None)
+        if named is None and as_of is None:
+            raise UserError(f"no source {source_id!r} is declared; see `kb source list`")
+        if named in hidden:
+            raise UserError(f"source {source_id!r} is readable by groups {', '.join(named.groups)} only: add"
+                            f" --group {named.groups[0]}")
+        return None
+    if not hidden:
+        return None
+    return (f"note: reading as {'groups ' + ', '.join(groups) if groups else 'a public caller'}, so"
+            f" {_count(len(hidden), 'source')} {'is' if len(hidden) == 1 else 'are'} left out: "
+            + "; ".join(f"{s.source_id} (groups {', '.join(s.groups)})" for s in hidden)
+            + ". Add --group G to read as a member of G")
+
+
+def _count(n: int, noun: str) -> str:
+    """`1 document`, `2 documents`: a count in words a person would write."""
+    return f"{n} {noun}{'' if n == 1 else 's'}"
 
 
 @main.command()
@@ -617,6 +677,8 @@ def ask(question, k, mode, source_id, groups, as_of, hyde, compress, no_rerank, 
 
     settings = load_settings()
     with connect(settings) as conn:
+        if note := _check_readers(conn, source_id, groups, as_of):
+            click.echo(note, err=True)
         try:
             data = answer_question(conn, settings, question, k, mode=mode, rerank=not no_rerank, hyde=hyde,
                                    compress=compress, filters=Filters(source_id=source_id, groups=list(groups), as_of=as_of))

@@ -305,3 +305,39 @@ def test_an_openai_endpoint_that_is_not_configured_or_not_listening_fails_at_onc
     dead = f"http://127.0.0.1:{free_port()}/v1"
     one_error_line(kb("serve", "--port", str(free_port()), env={**env, "KB_CHAT_MODEL": "gpt-x", "OPENAI_BASE_URL": dead}),
                    f"KB_CHAT_MODEL=gpt-x: cannot reach {dead}", "OPENAI_BASE_URL")
+
+
+def test_cite_checks_kb_ask_output_and_refuses_what_is_not_an_answer(settings, tmp_path):
+    assert kb("ingest", str(small_folder(tmp_path))).returncode == 0
+    asked = kb("ask", "How many weeks of paid leave does a primary caregiver get?", "--json")
+    assert asked.returncode == 0, asked.stderr
+    assert json.loads(asked.stdout)["sentences"], asked.stdout
+    checked = kb("cite", "--strict", "-", stdin=asked.stdout)
+    assert checked.returncode == 0 and re.match(r"VALID +chunk \d+: ", checked.stdout), checked.stdout
+    for not_an_answer in ('{"foo": 1}', "[]", '{"sentences": [{"text": "x", "citations": ["seven"]}], "contexts": []}'):
+        one_error_line(kb("cite", "--strict", "-", stdin=not_an_answer), "<stdin>: not an answer to check")
+    nothing = kb("cite", "--strict", "-", stdin='{"claims": [], "retrieved": []}')
+    assert nothing.returncode == 0 and "no citations to check" in nothing.stdout
+
+
+def test_search_names_an_unknown_source_or_group_and_says_what_it_leaves_out(settings, tmp_path):
+    assert kb("ingest", str(small_folder(tmp_path)), "--group", "hr").returncode == 0
+    assert kb("ingest", str(records(tmp_path))).returncode == 0
+    one_error_line(kb("search", "printer", "--source-id", "nosuch"), "no source 'nosuch' is declared")
+    one_error_line(kb("search", "printer", "--group", "hrr"), "no declared source is readable by group 'hrr'",
+                   "groups in use: hr")
+    one_error_line(kb("ask", "leave", "--source-id", "small"), "source 'small' is readable by groups hr only",
+                   "--group hr")
+    public = kb("search", "printer duplex")
+    assert public.returncode == 0 and "tickets:" in public.stdout
+    assert "note: reading as a public caller, so 1 source is left out: small (groups hr)" in public.stderr
+    member = kb("search", "parental leave", "--group", "hr")
+    assert member.returncode == 0 and "small:" in member.stdout and "note:" not in member.stderr
+
+
+def test_a_config_file_with_an_unknown_table_is_refused(settings, tmp_path):
+    config = tmp_path / "kb.toml"
+    config.write_text('[source.handbook]\nlocation = "."\npublic = true\n')
+    one_error_line(kb("source", "apply", str(config)), "unknown table [source]", "[sources.NAME]")
+    config.write_text("# nothing yet\n")
+    one_error_line(kb("source", "apply", str(config)), "declares no source")

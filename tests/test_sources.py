@@ -98,7 +98,7 @@ groups = ["staff", "contractors"]
 
     bad = tmp_path / "bad.toml"
     bad.write_text('[sources.x]\nlocation = "nowhere"\ngroup = ["typo"]\n')
-    assert "unknown keys ['group']" in kb("source", "apply", str(bad), expect=2).output
+    assert "unknown keys group; known:" in kb("source", "apply", str(bad), expect=2).output
 
 
 def test_a_file_path_is_not_a_source(settings):

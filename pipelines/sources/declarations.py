@@ -285,7 +285,16 @@ def add_source(conn: psycopg.Connection, source: Source, who: str) -> bool:
 
 def _describe(source: Source, names: list[str]) -> str:
     declared = source.declaration()
-    return "; ".join(f"{name} is {declared[name]!r}" for name in names)
+    return "; ".join(f"{name} is {shown(name, declared[name])}" for name in names)
+
+
+def shown(key: str, value) -> str:
+    """A declared value as a person writes it: `drafts/*, *.tmp`, `everyone`, `none`, never a Python repr."""
+    if key == "groups" and not value:
+        return "everyone"
+    if isinstance(value, (list, tuple)):
+        return ", ".join(map(str, value)) or "none"
+    return "none" if value is None else str(value)
 
 
 def _changeable(conn: psycopg.Connection, source_id: str, via_config: str | None, fix: str) -> Source:
@@ -368,13 +377,22 @@ def read_config(path: str | Path) -> list[Source]:
         raise DeclarationError(f"{path}: cannot read the source declarations: {exc}") from exc
     known = {"location", "include", "exclude", "groups", "public", "freshness_hours", "refresh_cron",
              "allow_outside_links", "max_deletion_share", "golden_set"}
+    if other := sorted(set(data) - {"sources"}):  # `[source.x]` declared nothing, silently
+        raise DeclarationError(f"{path}: unknown table{'s' if len(other) > 1 else ''} {', '.join(f'[{t}]' for t in other)};"
+                               " declare each source as [sources.NAME] (with location, and groups or public = true)")
+    if "sources" not in data:
+        raise DeclarationError(f"{path} declares no source: add a [sources.NAME] table with location, and groups"
+                               " = [...] or public = true")
+    if not isinstance(data["sources"], dict):
+        raise DeclarationError(f"{path}: sources is a table of [sources.NAME] tables, not {data['sources']!r}")
     declared = []
-    for name, table in (data.get("sources") or {}).items():
+    for name, table in data["sources"].items():
         if not isinstance(table, dict) or "location" not in table:
             raise DeclarationError(f"{path}: [sources.{name}] needs a location")
         unknown = set(table) - known
         if unknown:
-            raise DeclarationError(f"{path}: [sources.{name}] has unknown keys {sorted(unknown)}; known: {sorted(known)}")
+            raise DeclarationError(f"{path}: [sources.{name}] has unknown keys {', '.join(sorted(unknown))}; known:"
+                                   f" {', '.join(sorted(known))}")
         if ("groups" in table) == (table.get("public") is True) or ("public" in table and table["public"] is not True):
             raise DeclarationError(f"{path}: [sources.{name}] says who may read it with either groups = [...] or"
                                    " public = true (exactly one of them)")
