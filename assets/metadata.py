@@ -18,6 +18,8 @@ def report_metadata(report: StageReport) -> dict:
     metadata["elapsed_s"] = dg.MetadataValue.float(report.elapsed_s)
     if report.failures:
         metadata["failures"] = dg.MetadataValue.md("\n".join(f"- `{f.source_id}:{f.locator}`: {f.reason}" for f in report.failures))
+    if report.skipped:
+        metadata["skipped"] = dg.MetadataValue.md("\n".join(f"- `{f.source_id}:{f.locator}`: {f.reason}" for f in report.skipped))
     return metadata
 
 

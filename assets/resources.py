@@ -22,7 +22,7 @@ from pipelines.settings import Settings, load_settings
 SETTINGS = {"home": "KB_HOME", "database_url": "DATABASE_URL", "embedder_kind": "KB_EMBEDDER",
             "openai_base_url": "OPENAI_BASE_URL", "openai_api_key": "OPENAI_API_KEY", "chat_model": "KB_CHAT_MODEL",
             "parse_workers": "KB_PARSE_WORKERS", "parse_timeout_s": "KB_PARSE_TIMEOUT_S",
-            "golden_floor": "KB_GOLDEN_FLOOR"}
+            "golden_floor": "KB_GOLDEN_FLOOR", "unsupported_files": "KB_UNSUPPORTED_FILES"}
 SECRETS = ("database_url", "openai_api_key")
 
 
@@ -41,6 +41,8 @@ class KnowledgeBase(dg.ConfigurableResource):
     parse_timeout_s: float | None = Field(default=None, description="KB_PARSE_TIMEOUT_S (default 120)")
     golden_floor: float | None = Field(default=None, description="KB_GOLDEN_FLOOR: hit@5 a refresh must keep"
                                                                  " (default 0.8)")
+    unsupported_files: str | None = Field(default=None, description="KB_UNSUPPORTED_FILES: skip (list files of"
+                                                                     " types kb does not read; default) or fail")
 
     @cached_property
     def settings(self) -> Settings:

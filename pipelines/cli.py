@@ -260,12 +260,28 @@ def ingest(paths, source_name, include, exclude, groups, allow_deletions, accept
             sys.exit(EXIT_GATE_FAILED)
         _record_in_dagster(conn, settings, run, embedder)
     data = summary.as_dict()
-    lines = [f"{k.replace('_', ' ')}: {v}" for k, v in data.items() if k not in ("errors", "elapsed_s")]
-    lines.append("elapsed: " + ", ".join(f"{k} {v:.2f}s" for k, v in data["elapsed_s"].items()))
-    lines += [f"ERROR {e['source']}:{_shown(e['file'])}: {_shown(e['reason'])}" for e in data["errors"]]
-    _emit(data, as_json, "\n".join(lines))
+    _emit(data, as_json, "\n".join(_ingest_lines(data, settings.unsupported_files)))
     if data["errors"]:
         sys.exit(EXIT_FILE_FAILURES)
+
+
+def _ingest_lines(data: dict, unsupported: str) -> list[str]:
+    """The run's counters as sentences a person reads: documents, what was skipped, chunks, time, then each failed
+    file. Chunks say what happened to them (added, updated in place, closed), not a sum of writes."""
+    d = data
+    lines = [f"documents: {d['documents_seen']} seen ({d['documents_new']} new, {d['documents_changed']} changed,"
+             f" {d['documents_unchanged']} unchanged), {d['documents_published']} published, {d['documents_deleted']}"
+             f" deleted, {d['documents_failed']} failed",
+             f"chunks: {d['chunks_inserted']} added, {d['chunks_updated']} updated, {d['chunks_closed']} closed;"
+             f" {d['embeddings_computed']} embedded, {d['embeddings_reused']} reused; {_count(d['cards_written'], 'Q&A card')}",
+             f"time: {sum(d['elapsed_s'].values()):.1f} s (" + ", ".join(f"{stage} {seconds:.2f} s" for stage, seconds
+                                                                    in d["elapsed_s"].items()) + ")"]
+    if d["skipped"]:
+        shown = [f"{s['source']}:{_shown(s['file'])}" for s in d["skipped"][:10]]
+        lines.insert(1, f"skipped {_count(len(d['skipped']), 'file')} of types kb does not read: {', '.join(shown)}"
+                        + (f" and {len(d['skipped']) - 10} more (--json lists them)" if len(d["skipped"]) > 10 else "")
+                        + ("" if unsupported == "fail" else "; exclude them, or KB_UNSUPPORTED_FILES=fail to fail them"))
+    return lines + [f"ERROR {e['source']}:{_shown(e['file'])}: {_shown(e['reason'])}" for e in d["errors"]]
 
 
 def _record_in_dagster(conn, settings, run, embedder) -> None:

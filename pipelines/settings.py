@@ -49,6 +49,7 @@ class Settings:
     golden_floor: float = 0.8  # a refresh whose golden hit@5 falls below this is not published
     config_path: Path | None = None  # the kb.toml that `kb source apply` reads by default
     parse_workers: int = 1  # processes that parse files in parallel
+    unsupported_files: str = "skip"  # a file of a type kb does not read: "skip" (listed) or "fail" (a failed file)
     limits: Limits = Limits()
     model_cache_dir: Path | None = None  # where the exported ONNX model is cached; None means KB_HOME/models
 
@@ -118,6 +119,9 @@ def _load(env) -> Settings:
     if embedder not in EMBEDDERS:
         raise ConfigError(f"KB_EMBEDDER must be one of {', '.join(EMBEDDERS)}, not {embedder!r}")
     dims = env.get("KB_OPENAI_DIMENSIONS")
+    unsupported = env.get("KB_UNSUPPORTED_FILES", "skip").lower()
+    if unsupported not in ("skip", "fail"):
+        raise ConfigError(f"KB_UNSUPPORTED_FILES must be skip (list them, fail nothing) or fail, not {unsupported!r}")
     if env.get("DATABASE_URL"):
         _check_database_url(env["DATABASE_URL"])
     return Settings(
@@ -143,6 +147,7 @@ def _load(env) -> Settings:
         chat_concurrency=int(env.get("KB_CHAT_CONCURRENCY", "4")),
         golden_floor=float(env.get("KB_GOLDEN_FLOOR", "0.8")),
         config_path=_config_path(env),
+        unsupported_files=unsupported,
         parse_workers=int(env.get("KB_PARSE_WORKERS", str(min(len(os.sched_getaffinity(0)), 4)))),
         limits=Limits(
             max_file_mb=float(env.get("KB_MAX_FILE_MB", Limits.max_file_mb)),

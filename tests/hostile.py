@@ -68,7 +68,7 @@ def make_hostile(docs: Path, records: Path, outside: Path, scale: str = "test") 
 
     add("empty.txt", "empty file", b"")
     add("corrupt.pdf", "corrupt.pdf: ", b"%PDF-1.4\n1 0 obj << /Type /Catalog >> garbage")
-    add("photo.png", "unsupported file type", b"\x89PNG\r\n\x1a\n" + rng.bytes(64))
+    (docs / "photo.png").write_bytes(b"\x89PNG\r\n\x1a\n" + rng.bytes(64))  # skipped (listed), not a failure
     add("binary.txt", "not a text file", b"\x00\x01\x02\x00" * 4000)
     add(os.fsdecode(b"caf\xe9.md").replace("\udce9", "\\xe9"), "not valid UTF-8")
     (docs / os.fsdecode(b"caf\xe9.md")).write_text("# Menu\n\nEspresso.\n")

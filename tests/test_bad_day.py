@@ -390,6 +390,7 @@ def test_a_hostile_folder_in_one_run(settings, samples_copy, tmp_path):
     for locator, fragment in expected.items():
         assert fragment in reasons[locator], (locator, reasons[locator])
     assert "would soft-delete 1 of 1" in reasons[str(archive)]
+    assert [(s["file"], s["reason"]) for s in data["skipped"]] == [("photo.png", "unsupported file type .png")]
     assert data["documents_deleted"] == 0
     assert {f["locator"] for f in kb_json("status")["failures"]} == set(reasons)
 

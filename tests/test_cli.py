@@ -341,3 +341,23 @@ def test_a_config_file_with_an_unknown_table_is_refused(settings, tmp_path):
     one_error_line(kb("source", "apply", str(config)), "unknown table [source]", "[sources.NAME]")
     config.write_text("# nothing yet\n")
     one_error_line(kb("source", "apply", str(config)), "declares no source")
+
+
+def test_files_of_types_kb_does_not_read_are_skipped_and_listed_not_failed(settings, tmp_path):
+    folder = small_folder(tmp_path)
+    (folder / "photo.png").write_bytes(b"\x89PNG\r\n\x1a\n....")
+    (folder / "firmware.bin").write_bytes(b"\x00\x01" * 50)
+    out = kb("ingest", str(folder))
+    assert out.returncode == 0, out.stdout
+    assert ("skipped 2 files of types kb does not read: small:firmware.bin, small:photo.png; exclude them, or"
+            " KB_UNSUPPORTED_FILES=fail to fail them") in out.stdout
+    assert re.search(r"^documents: 2 seen \(2 new, 0 changed, 0 unchanged\), 2 published, 0 deleted, 0 failed$",
+                     out.stdout, re.M), out.stdout
+    assert re.search(r"^chunks: \d+ added, 0 updated, 0 closed; \d+ embedded, 0 reused; \d+ Q&A cards?$", out.stdout, re.M)
+    data = json.loads(kb("ingest", "--json").stdout)
+    assert data["documents_skipped"] == 2 and data["skipped"] == [
+        {"source": "small", "file": "firmware.bin", "reason": "unsupported file type .bin"},
+        {"source": "small", "file": "photo.png", "reason": "unsupported file type .png"}]
+    strict = kb("ingest", env={**os.environ, "KB_UNSUPPORTED_FILES": "fail"})
+    assert strict.returncode == 3 and "ERROR small:photo.png:" in strict.stdout and "skipped" not in strict.stdout
+    one_error_line(kb("ingest", env={**os.environ, "KB_UNSUPPORTED_FILES": "ignore"}), "KB_UNSUPPORTED_FILES", "skip")

@@ -92,14 +92,12 @@ def test_touched_but_identical_file_is_not_reparsed(conn, embedder, samples_copy
 def test_bad_files_fail_one_by_one_and_the_rest_is_ingested(conn, embedder, samples_copy):
     (samples_copy / "empty.txt").write_bytes(b"")
     (samples_copy / "corrupt.pdf").write_bytes(b"%PDF-1.4\n this is not really a pdf")
-    (samples_copy / "photo.png").write_bytes(b"\x89PNG\r\n\x1a\n....")
     (samples_copy / "blank.html").write_text("<html><body><p> </p></body></html>")
     (samples_copy / "gone.md").symlink_to(samples_copy / "does-not-exist.md")
     summary = ingest_samples(conn, embedder, samples_copy)
     reasons = {f.locator: f.reason for f in summary.failures}
-    assert set(reasons) == {"empty.txt", "corrupt.pdf", "photo.png", "blank.html", "gone.md"}
+    assert set(reasons) == {"empty.txt", "corrupt.pdf", "blank.html", "gone.md"}
     assert "empty file" in reasons["empty.txt"]
-    assert "unsupported file type '.png'" in reasons["photo.png"]
     assert "parsed to no text" in reasons["blank.html"]
     assert "is a symbolic link" in reasons["gone.md"]  # a dangling link is a link: never followed
     assert "corrupt.pdf" in reasons["corrupt.pdf"]
@@ -149,3 +147,13 @@ def test_cli_ingest_json_reports_counters_errors_and_exit_status(settings, sampl
 def test_cli_usage_errors_exit_2(settings):
     result = CliRunner().invoke(main, ["ingest", "/no/such/folder"])
     assert result.exit_code == 2
+
+
+def test_a_file_that_never_published_is_not_counted_deleted_when_it_goes(conn, embedder, samples_copy):
+    (samples_copy / "broken.docx").write_bytes(b"not a zip archive")
+    first = ingest_samples(conn, embedder, samples_copy).counters()
+    assert first["documents_new"] == 14 and first["documents_failed"] == 1 and first["documents_published"] == 13
+    (samples_copy / "broken.docx").unlink()
+    (samples_copy / "handbook" / "leave-policy.md").unlink()
+    again = ingest_samples(conn, embedder, samples_copy).counters()
+    assert again["documents_deleted"] == 1 and again["documents_failed"] == 0  # the served one only

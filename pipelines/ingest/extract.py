@@ -27,7 +27,7 @@ import psycopg
 
 from pipelines.ingest.elements import Element, ParsedDocument, without_nul, write_elements
 from pipelines.ingest.failures import Failure, record_failure
-from pipelines.ingest.formats import UnsupportedFormat, format_of
+from pipelines.ingest.formats import UnsupportedFormat, format_of, supported
 from pipelines.ingest.hashing import hash_stream, hash_text
 from pipelines.ingest.report import NO_PROGRESS, Progress, StageReport
 from pipelines.settings import Limits
@@ -63,10 +63,14 @@ class Crawl:
     unseen: list[str] = field(default_factory=list)  # folder prefixes ("" = all) the crawl could not read
     blind: bool = False  # some record could not be identified: the crawl cannot tell what is missing
     failed: set[str] = field(default_factory=set)  # failure locators of this crawl
+    skip_unsupported: bool = True  # KB_UNSUPPORTED_FILES=skip: a file of a type kb does not read is listed, not failed
 
     def fail(self, locator: str, reason: str) -> None:
         self.failed.add(locator)
         self.report.fail(Failure(self.source.source_id, locator, STAGE, reason))
+
+    def skip(self, locator: str, reason: str) -> None:
+        self.report.skip(Failure(self.source.source_id, locator, STAGE, reason))
 
     def hidden(self, locator: str) -> bool:
         return self.blind or any(locator.startswith(prefix) for prefix in self.unseen)
@@ -117,6 +121,10 @@ def walk_folder(crawl: Crawl, known: Known, progress: Progress = NO_PROGRESS) ->
                 if _printable(relpath) != relpath:  # not valid UTF-8: it cannot be named, stored or searched
                     crawl.fail(_printable(relpath), f"{_printable(str(root / relpath))}: the file name is not valid"
                                                     " UTF-8; rename the file")
+                    continue
+                if crawl.skip_unsupported and not supported(relpath):  # a share holds images, archives, binaries:
+                    suffix = Path(relpath).suffix.lower() or "(no extension)"  # not a failure of any scheduled run
+                    crawl.skip(relpath, f"unsupported file type {suffix}")
                     continue
                 listed.append(relpath)
         progress.total(len(listed))
@@ -367,14 +375,14 @@ def _deletions(crawl: Crawl, known: Known, allow_deletions: bool) -> list[str]:
 
 def crawl_source(conn: psycopg.Connection, source: Source, report: StageReport, limits: Limits,
                  allow_deletions: bool = False, batch_size: int = 500, progress: Progress = NO_PROGRESS,
-                 accept_new_root: bool = False) -> None:
+                 accept_new_root: bool = False, skip_unsupported: bool = True) -> None:
     """Crawl one source: upsert what changed, soft-delete what disappeared, all in one transaction. The root's
     identity is recorded at the first crawl on this host and must match afterwards, unless a new root is accepted."""
     known_root = None if accept_new_root else conn.execute(
         "SELECT root_identities ->> %s FROM sources WHERE source_id = %s", (host(), source.source_id)).fetchone()[0]
     nested = frozenset(other.path.relative_to(source.path).as_posix() for other in load_sources(conn)
                        if other.source_id != source.source_id and other.path.is_relative_to(source.path))
-    crawl = Crawl(source, report, limits, known_root=known_root, nested=nested)
+    crawl = Crawl(source, report, limits, known_root=known_root, nested=nested, skip_unsupported=skip_unsupported)
     with conn.transaction():
         known = _known_documents(conn, source.source_id)
         found = walk_folder(crawl, known, progress) if source.kind == "folder" else read_records(crawl, progress)
@@ -390,8 +398,12 @@ def crawl_source(conn: psycopg.Connection, source: Source, report: StageReport, 
         if batch:
             _write_batch(conn, crawl, batch, known)
         gone = _deletions(crawl, known, allow_deletions)
-        report.counts["deleted"] += conn.execute("SELECT kb_soft_delete_documents(%s, %s)",
-                                                 (source.source_id, gone)).fetchone()[0]
+        # Only documents that were served count as deleted: a file that never published (it failed) and is now
+        # gone is forgotten, not reported as "new" in one run and "deleted" in the next.
+        report.counts["deleted"] += conn.execute(
+            "SELECT count(*) FROM documents WHERE source_id = %s AND deleted_at IS NULL AND locator = ANY(%s)"
+            " AND published_key IS NOT NULL", (source.source_id, gone)).fetchone()[0]
+        conn.execute("SELECT kb_soft_delete_documents(%s, %s)", (source.source_id, gone))
         for failure in (f for f in report.failures if f.source_id == source.source_id):
             record_failure(conn, failure, None)
         # A crawl failure that did not happen again is fixed (a record's line repaired, a file removed).
@@ -406,12 +418,12 @@ def crawl_source(conn: psycopg.Connection, source: Source, report: StageReport, 
 
 def extract(conn: psycopg.Connection, sources: list[Source], limits: Limits = Limits(),
             allow_deletions: bool = False, progress: Progress = NO_PROGRESS,
-            accept_new_root: bool = False) -> StageReport:
-    report = StageReport(STAGE, ("seen", "new", "changed", "unchanged", "deleted"))
+            accept_new_root: bool = False, skip_unsupported: bool = True) -> StageReport:
+    report = StageReport(STAGE, ("seen", "new", "changed", "unchanged", "deleted", "skipped"))
     for source in sources:
         try:
             crawl_source(conn, source, report, limits, allow_deletions, progress=progress,
-                         accept_new_root=accept_new_root)
+                         accept_new_root=accept_new_root, skip_unsupported=skip_unsupported)
         except RootChanged as exc:  # nothing changed, nothing deleted, until the operator confirms the new root
             failure = Failure(source.source_id, str(source.path), STAGE,
                               f"cannot crawl source: {exc.strerror}. If the folder really moved there, run `kb ingest"

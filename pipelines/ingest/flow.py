@@ -38,7 +38,8 @@ def _extract(run: "IngestRun", progress: Progress) -> StageReport:
     from pipelines.sources.declarations import load_sources
 
     return extract(run.conn, load_sources(run.conn, run.source_ids), run.settings.limits,
-                   run.confirmed.allow_deletions, progress, run.confirmed.accept_new_root)
+                   run.confirmed.allow_deletions, progress, run.confirmed.accept_new_root,
+                   skip_unsupported=run.settings.unsupported_files == "skip")
 
 
 def _parse(run: "IngestRun", progress: Progress) -> StageReport:

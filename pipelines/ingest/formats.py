@@ -19,6 +19,10 @@ class UnsupportedFormat(ValueError):
     pass
 
 
+def supported(path: str | Path) -> bool:
+    return Path(path).suffix.lower() in FORMATS
+
+
 def format_of(path: str | Path) -> str:
     suffix = Path(path).suffix.lower()
     try:

@@ -16,6 +16,7 @@ class StageReport:
         self.stage = stage
         self.counts = Counter({name: 0 for name in (*counters, "failed")})
         self.failures: list[Failure] = []
+        self.skipped: list[Failure] = []  # files passed over on purpose (an unsupported type): listed, not failed
         self.notes: dict = {}  # what else the stage found worth recording (the publish stage's gate)
         self.elapsed_s = 0.0
         self._started = time.perf_counter()
@@ -24,6 +25,10 @@ class StageReport:
         self.failures.append(failure)
         self.counts["failed"] += 1
 
+    def skip(self, skipped: Failure) -> None:
+        self.skipped.append(skipped)
+        self.counts["skipped"] += 1
+
     def finish(self) -> "StageReport":
         self.elapsed_s = round(time.perf_counter() - self._started, 3)
         return self
@@ -31,13 +36,14 @@ class StageReport:
     def as_dict(self) -> dict:
         """The report as stored on its run's `ingest_runs` row."""
         return {"counts": dict(self.counts), "elapsed_s": self.elapsed_s, "failures": [asdict(f) for f in self.failures],
-                "notes": self.notes}
+                "skipped": [asdict(f) for f in self.skipped], "notes": self.notes}
 
     @classmethod
     def from_dict(cls, stage: str, data: dict) -> "StageReport":
         report = cls(stage)
         report.counts = Counter(data["counts"])
         report.failures = [Failure(**f) for f in data["failures"]]
+        report.skipped = [Failure(**f) for f in data.get("skipped", [])]
         report.notes = data.get("notes", {})
         report.elapsed_s = data["elapsed_s"]
         return report

@@ -60,6 +60,7 @@ class IngestSummary:
             "documents_changed": ex.get("changed", 0),
             "documents_unchanged": ex.get("unchanged", 0),
             "documents_deleted": ex.get("deleted", 0),
+            "documents_skipped": ex.get("skipped", 0),
             "documents_failed": len({(f.source_id, f.locator) for f in self.failures}),
             "documents_published": pu.get("documents", 0),
             "chunks_written": pu.get("chunks_written", 0),
@@ -74,7 +75,9 @@ class IngestSummary:
 
     def as_dict(self) -> dict:
         return {**self.counters(), "errors": [
-            {"source": f.source_id, "file": f.locator, "stage": f.stage, "reason": f.reason} for f in self.failures]}
+            {"source": f.source_id, "file": f.locator, "stage": f.stage, "reason": f.reason} for f in self.failures],
+                "skipped": [{"source": f.source_id, "file": f.locator, "reason": f.reason}
+                            for s in self.stages for f in s.skipped]}
 
 
 def _no_progress(stage: str) -> Progress:
