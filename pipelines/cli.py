@@ -87,7 +87,7 @@ def _progress_factory(enabled: bool):
         def __init__(self, stage: str):
             from tqdm import tqdm
 
-            self.bar = tqdm(desc=f"{stage:<8}", unit=UNITS.get(stage, "it"), leave=False, dynamic_ncols=True)
+            self.bar = tqdm(desc=f"{stage:<8}", unit=UNITS.get(stage, "it"), dynamic_ncols=True)  # kept when done
 
         def total(self, count: int) -> None:
             self.bar.total = (self.bar.total or 0) + count
@@ -100,18 +100,25 @@ def _progress_factory(enabled: bool):
             self.bar.close()
 
     class Lines(Progress):
+        """A log line per event, each with its time (a log read later must say when a stage started and ended)."""
+
         def __init__(self, stage: str):
             self.stage, self.count, self.announced = stage, 0, False
 
+        def say(self, text: str) -> None:
+            from datetime import datetime
+
+            click.echo(f"{datetime.now().astimezone():%H:%M:%S} {self.stage}: {text}", err=True)
+
         def total(self, count: int) -> None:
-            click.echo(f"{self.stage}: {count} {'more ' if self.announced else ''}to do", err=True)
+            self.say(f"{count} {'more ' if self.announced else ''}to do")
             self.announced = True
 
         def advance(self, count: int = 1) -> None:
             self.count += count
 
         def done(self, report) -> None:
-            click.echo(f"{self.stage}: done, {self.count} in {report.elapsed_s:.2f} s", err=True)
+            self.say(f"done, {self.count} in {report.elapsed_s:.2f} s")
 
     def factory(stage: str) -> Progress:
         if not enabled:
@@ -312,7 +319,7 @@ def status(as_json) -> None:
     text = [f"knowledge base: {settings.home} ({settings.home_origin}; database:"
             f" {'DATABASE_URL' if settings.database_url else 'embedded in it'})"]
     text += [f"{s['source_id']} ({s['kind']} {s['location']}; readable by {_readers(s['allowed_groups'])}):"
-            f" {s['documents']} documents, {s['chunks']} chunks, {s['deleted']} deleted, {s['failed']} failing,"
+            f" {_count(s['documents'], 'document')}, {_count(s['chunks'], 'chunk')}, {s['deleted']} deleted, {s['failed']} failing,"
             f" {s['stale']} stale, last crawled {_when(s['last_crawled_at'])}" for s in data["sources"]]
     text += [f"failing: {f['source_id']}:{_shown(f['locator'])}: {_shown(f['reason'])}" for f in data["failures"]]
     text.append(f"models: {', '.join(m['model_key'] + ' (' + m['state'] + ')' for m in data['models']) or 'none'}")
@@ -425,7 +432,7 @@ def sweep(freshness_hours, as_json) -> None:
         data = run_sweep(conn, window)
         if settings.retention_days is not None:
             data["retention"] = purge_history(conn, settings.retention_days)
-    text = [f"{data['stale_documents']} stale documents" + (f" (oldest crawl {_when(data['oldest_crawl'])})"
+    text = [f"{_count(data['stale_documents'], 'stale document')}" + (f" (oldest crawl {_when(data['oldest_crawl'])})"
                                                             if data["oldest_crawl"] else "")]
     text += [f"  {s['source_id']}: {s['stale_documents']} stale, last crawled {_when(s['last_crawled_at'])}"
              for s in data["sources"]]
@@ -500,7 +507,7 @@ def evaluate(datasets, split, database_url, weights, misses, per_query_path, com
             for metric, c in result.get("compared", {}).items():
                 lines.append(f"  {cfg}: {metric} {c['before']:.4f} -> {c['after']:.4f}, per query {c['mean_delta']:+.4f}"
                              f" +/- {c['standard_error']:.4f} (wins {c['wins']}, losses {c['losses']}, ties {c['ties']})")
-            lines += [f"  miss [{cfg}] {m['query_id']}: {m['query'][:80]}" for m in result.get("misses", [])]
+            lines += [f"  miss [{cfg}] {m['query_id']}: {_snippet(m['query'], 80)}" for m in result.get("misses", [])]
         lines.append("")
     if answer_set:
         from pipelines.storage.database import connect
@@ -738,7 +745,7 @@ def _source_dict(s) -> dict:
 
 
 def _source_line(s) -> str:
-    extras = [f"include {list(s.include)}" if s.include else "", f"exclude {list(s.exclude)}" if s.exclude else "",
+    extras = [f"include {', '.join(s.include)}" if s.include else "", f"exclude {', '.join(s.exclude)}" if s.exclude else "",
               f"freshness {s.freshness_hours:g} h" if s.freshness_hours else "",
               f"refresh '{s.refresh_cron}'" if s.refresh_cron else "",
               "follows links outside" if s.allow_outside_links else "",
@@ -809,14 +816,17 @@ def source_show(name, as_json):
         raise UserError(f"no source {name!r} is declared; see `kb source list`")
     data = {"source": _source_dict(declared) if declared else None, "changes": changes}
     lines = [_source_line(declared) if declared else f"{name}: removed"]
-    lines += [f"  {c['changed_at'].isoformat()} {c['action']} by {c['actor']} (database user {c['db_user']})"
+    lines += [f"  {_when(c['changed_at'])} {c['action']} by {c['actor']} (database user {c['db_user']})"
               + (f": {_changed_fields(c['before'], c['after'])}" if c["before"] and c["after"] else "")
               for c in changes]
     _emit(data, as_json, "\n".join(lines))
 
 
 def _changed_fields(before: dict, after: dict) -> str:
-    return ", ".join(f"{k} {before.get(k)!r} -> {after.get(k)!r}" for k in after if before.get(k) != after.get(k))
+    from pipelines.sources.declarations import shown
+
+    return "; ".join(f"{k} {shown(k, before.get(k))} -> {shown(k, after.get(k))}" for k in after
+                     if before.get(k) != after.get(k))
 
 
 @source.command("update")
@@ -873,7 +883,7 @@ def source_remove(name, as_json):
         deleted = remove_source(conn, name, actor("kb source remove"))
         _sync_dagster(conn)
     _emit({"source_id": name, "documents_deleted": deleted}, as_json,
-          f"removed {name}: {deleted} documents soft-deleted")
+          f"removed {name}: {_count(deleted, 'document')} soft-deleted")
 
 
 @source.command("apply")
@@ -958,7 +968,7 @@ def dagster_ingest(sources, dask, as_json) -> None:
     for source_id, result in results.items():
         c = result["counters"]
         lines.append(f"{source_id}: run {result['run_id'][:8]} " + ("succeeded" if result["success"] else "FAILED")
-                     + (f": {c.get('documents_seen', 0)} documents seen, {c.get('documents_new', 0)} new,"
+                     + (f": {_count(c.get('documents_seen', 0), 'document')} seen, {c.get('documents_new', 0)} new,"
                         f" {c.get('documents_changed', 0)} changed, {c.get('documents_deleted', 0)} deleted,"
                         f" {c.get('documents_failed', 0)} failed; {c.get('chunks_written', 0)} chunks written,"
                         f" {c.get('embeddings_computed', 0)} embedded, {c.get('cards_written', 0)} cards" if c else "")
@@ -1053,8 +1063,8 @@ def keys_list(include_revoked, as_json):
     data = [{"name": k.name, "key_id": k.key_id, "groups": list(k.groups), "created_at": k.created_at,
              "created_by": k.created_by, "revoked_at": k.revoked_at} for k in found]
     _emit(data, as_json, "\n".join(
-        f"{k.name} ({k.key_id}): {_readers(k.groups)}; created {k.created_at.isoformat()} by {k.created_by}"
-        + (f"; revoked {k.revoked_at.isoformat()}" if k.revoked_at else "") for k in found) or "no keys")
+        f"{k.name} ({k.key_id}): {_readers(k.groups)}; created {_when(k.created_at)} by {k.created_by}"
+        + (f"; revoked {_when(k.revoked_at)}" if k.revoked_at else "") for k in found) or "no keys")
 
 
 @keys.command("revoke")

@@ -89,11 +89,13 @@ def test_each_stage_reports_its_total_and_its_end_when_not_on_a_terminal(setting
     out = kb("ingest", str(small_folder(tmp_path)), str(records(tmp_path)))
     assert out.returncode == 0, out.stderr
     lines = out.stderr.splitlines()
+    assert [line.split(":")[0] for line in lines[:2]] == ["declared source small", "declared source tickets"]
+    assert all(re.match(r"\d\d:\d\d:\d\d \w+: ", line) for line in lines[2:]), lines  # each line says when
+    lines = [line[9:] for line in lines[2:]]
     for stage in ("extract", "parse", "chunk", "enrich", "embed", "publish", "cards"):
         assert any(re.fullmatch(rf"{stage}: \d+ to do", line) for line in lines), (stage, lines)
         assert any(re.fullmatch(rf"{stage}: done, \d+ in \d+\.\d\d s", line) for line in lines), (stage, lines)
-    assert [line.split(":")[0] for line in lines[:2]] == ["declared source small", "declared source tickets"]
-    assert lines[2:4] == ["extract: 2 to do", "extract: 3 more to do"]  # the folder's files, then the records
+    assert lines[:2] == ["extract: 2 to do", "extract: 3 more to do"]  # the folder's files, then the records
     assert "extract: done, 5 in" in out.stderr
     assert "parse: 2 to do" in lines  # records need no parsing: they are read as text at extract
     embedded = next(int(m.group(1)) for line in lines if (m := re.fullmatch(r"embed: (\d+) to do", line)))
@@ -122,6 +124,8 @@ def test_on_a_terminal_each_stage_shows_a_bar_with_total_rate_and_eta(settings, 
         bar = re.search(rf"{stage}\s*: +\d+%\|[^|]*\| \d+/(\d+) \[\d\d:\d\d<[\d:?]+, +(?:[\d.?]+ ?\w+/s|[\d.]+s/\w+)\]",
                         text)
         assert bar and int(bar.group(1)) > 0, (stage, text[-2000:])
+    for stage in ("extract", "parse", "chunk", "enrich", "embed", "publish"):  # each bar stays, at 100%, when done
+        assert re.search(rf"\r{stage}\s*: 100%\|[^\r\n]*\]\r?\n", text), (stage, text[-2000:])
 
 
 def test_text_output_has_iso_times_and_never_says_none(settings, tmp_path):
@@ -361,3 +365,24 @@ def test_files_of_types_kb_does_not_read_are_skipped_and_listed_not_failed(setti
     strict = kb("ingest", env={**os.environ, "KB_UNSUPPORTED_FILES": "fail"})
     assert strict.returncode == 3 and "ERROR small:photo.png:" in strict.stdout and "skipped" not in strict.stdout
     one_error_line(kb("ingest", env={**os.environ, "KB_UNSUPPORTED_FILES": "ignore"}), "KB_UNSUPPORTED_FILES", "skip")
+
+
+def test_text_output_reads_as_written_not_as_python(settings, tmp_path):
+    """No Python reprs, no "1 documents", no microseconds in text output."""
+    folder = tmp_path / "one"
+    (folder / "drafts").mkdir(parents=True)
+    shutil.copy(SAMPLES_DIR / "docs" / "handbook" / "leave-policy.md", folder)
+    added = kb("source", "add", "one", str(folder), "--exclude", "drafts/*", "--group", "hr", "--group", "legal")
+    assert added.returncode == 0, added.stderr
+    assert added.stdout.rstrip().endswith("readable by groups hr, legal; exclude drafts/*"), added.stdout
+    assert kb("source", "update", "one", "--group", "legal").returncode == 0
+    shown = kb("source", "show", "one").stdout
+    assert "groups hr, legal -> legal" in shown and "[" not in shown and "'" not in shown, shown
+    assert re.search(rf"^  {ISO} update by ", shown, re.M), shown
+    assert kb("keys", "create", "bot", "--group", "legal").returncode == 0
+    assert re.search(rf"; created {ISO} by ", kb("keys", "list").stdout)
+    assert kb("ingest", "--source", "one").returncode == 0
+    status = kb("status").stdout
+    assert re.search(r"\(folder .*; readable by groups legal\): 1 document, \d+ chunks,", status), status
+    removed = kb("source", "remove", "one").stdout
+    assert removed.strip() == "removed one: 1 document soft-deleted"
