@@ -1,13 +1,14 @@
 """`kb eval` on a small slice of SciFact (../shared/datasets), through the real pipeline and search."""
 
 import json
+import re
 from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
 
 from pipelines.cli import main
-from pipelines.evaluation.evaluate import document_run, score
+from pipelines.evaluation.evaluate import METRICS, document_run, score
 from pipelines.settings import REPO_ROOT
 
 SCIFACT = REPO_ROOT.parent / "shared" / "datasets" / "scifact"
@@ -69,6 +70,8 @@ def test_kb_eval_on_a_scifact_slice(settings, scifact_slice, tmp_path):
     assert page.count('src="data:image/png;base64,') == 4  # metrics per arm, latency, chunk lengths, formats
     assert "no failing documents" in page  # the ingest's failures (none here) are said, not plotted empty
     assert "ndcg@10" in page and f"{metrics['hybrid']['ndcg@10']:.4f}" in page
+    assert re.search(r"<p class=about>kb \d+\.\d+\.\d+\S*, \d{4}-\d\d-\d\d \d\d:\d\d UTC</p>", page)  # who made it, when
+    assert f"embedding model {data['model']}</p>" in page and data["model"].startswith("local:")
 
     # A second run compared with the first: per-query wins and losses, in the JSON and plotted in the report.
     again = CliRunner().invoke(main, ["eval", str(scifact_slice), "--split", "train", "--json", "--database-url",
@@ -113,3 +116,15 @@ def test_identifier_set_from_the_samples_is_found_in_full(settings, tmp_path):
     assert set(hybrid["groups"]) >= {"form=bare", "form=question", "kind=digits", "kind=mixed", "kind=name"}
     assert report["results"]["dense"]["metrics"]["hit@5"] < 1.0
     assert report["classifier"].get("identifier", 0) >= counts["digits"]
+
+
+def test_the_metrics_legend_sits_beside_the_bars_not_over_them():
+    """The legend inside the axes covered the tallest bars (the metrics near 1)."""
+    from pipelines.evaluation.html_report import metrics_figure
+
+    results = {name: {"metrics": {m: 1.0 for m in METRICS}} for name in ("dense", "lexical", "hybrid", "hybrid w=0.3")}
+    figure = metrics_figure(results)
+    figure.canvas.draw()
+    axis = figure.axes[0]
+    legend = axis.get_legend().get_window_extent()
+    assert not legend.overlaps(axis.get_window_extent())

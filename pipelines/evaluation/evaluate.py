@@ -279,7 +279,9 @@ def evaluate_dataset(settings, dataset: Path, split: str | None = None, database
     if any(metadata.values()):
         for result in results.values():
             result["groups"] = by_group(result["per_query"], metadata)
-    return {"dataset": str(dataset), "split": split, "queries": len(queries), "ingest": summary.counters(),
+    return {"dataset": str(dataset), "split": split, "queries": len(queries), "model": embedder.model_key,
+            "reranker": f"{settings.rerank} {settings.rerank_model}" if reranker is not None else None,
+            "ingest": summary.counters(),
             "classifier": kinds, "results": results, "statistics": statistics}
 
 

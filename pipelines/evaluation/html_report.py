@@ -22,6 +22,12 @@ def _png(figure) -> str:
 
 
 def _metrics_plot(results: dict) -> str:
+    return _png(metrics_figure(results))
+
+
+def metrics_figure(results: dict):
+    """Bars per metric and configuration, the legend beside the axes: inside them it covered the tallest bars (the
+    metrics near 1 are the ones a reader looks at first)."""
     import matplotlib.pyplot as plt
     import numpy as np
 
@@ -33,9 +39,9 @@ def _metrics_plot(results: dict) -> str:
                  label=config)
     axis.set_xticks(np.arange(len(METRICS)) + width * (len(configs) - 1) / 2, METRICS)
     axis.set_ylim(0, 1)
-    axis.legend(fontsize=8, ncol=min(len(configs), 4))
+    axis.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1), borderaxespad=0)
     axis.set_title("metrics per arm and mode")
-    return _png(figure)
+    return figure
 
 
 def _wins_losses_plot(deltas: list[float], metric: str) -> str:
@@ -58,7 +64,7 @@ def _latency_plot(results: dict) -> str:
         if result.get("latency_ms"):
             axis.hist(result["latency_ms"], bins=40, histtype="step", label=config)
     axis.set_xlabel("ms per query (evaluation search: 300 chunks, 300 over-fetched)")
-    axis.legend(fontsize=8)
+    axis.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1), borderaxespad=0)
     axis.set_title("search time")
     return _png(figure)
 
@@ -81,6 +87,18 @@ def _histogram_plot(values: list[int], title: str) -> str:
     return _png(figure)
 
 
+def _about() -> str:
+    """What a report read later must say: which kb made it, and when."""
+    from datetime import datetime, timezone
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        made_by = f"kb {version('kb')}"
+    except PackageNotFoundError:
+        made_by = "kb (version unknown)"
+    return f"{made_by}, {datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC"
+
+
 def _table(rows: list[list], header: list[str]) -> str:
     head = "".join(f"<th>{html.escape(str(h))}</th>" for h in header)
     body = "".join("<tr>" + "".join(f"<td>{html.escape(str(c))}</td>" for c in row) + "</tr>" for row in rows)
@@ -93,12 +111,15 @@ def write_report(report: dict, directory: Path) -> Path:
 
     matplotlib.use("Agg")
     directory.mkdir(parents=True, exist_ok=True)
-    parts = ["<h1>kb eval</h1>"]
+    parts = ["<h1>kb eval</h1>", f"<p class=about>{html.escape(_about())}</p>"]
     for name, data in report.items():
         if name == "answers":
             continue
         results = data["results"]
         parts.append(f"<h2>{html.escape(name)} ({html.escape(data['split'])}, {data['queries']} queries)</h2>")
+        if data.get("model"):
+            parts.append(f"<p>embedding model {html.escape(data['model'])}"
+                         + (f"; reranker {html.escape(data['reranker'])}" if data.get("reranker") else "") + "</p>")
         parts.append(_table([[cfg] + [f"{r['metrics'][m]:.4f}" for m in METRICS] + [
             "{median:.1f} / {p95:.1f}".format(**latency_summary(r["latency_ms"])) if r.get("latency_ms") else "-"] for cfg, r in results.items()], ["configuration", *METRICS, "ms median / p95"]))
         parts.append(_metrics_plot(results))
@@ -133,7 +154,8 @@ def write_report(report: dict, directory: Path) -> Path:
     page = directory / "index.html"
     style = ("body{font-family:system-ui,sans-serif;max-width:64rem;margin:2rem auto;color:#222}"
              "table{border-collapse:collapse;margin:.5rem 0}td,th{border:1px solid #ccc;padding:.2rem .5rem;"
-             "font-size:.85rem;text-align:right}th{background:#f4f6fa}img{display:block;margin:.5rem 0}")
+             "font-size:.85rem;text-align:right}th{background:#f4f6fa}img{display:block;margin:.5rem 0}"
+             ".about{color:#666}")
     page.write_text(f"<!DOCTYPE html><html lang=en><head><meta charset=utf-8><title>kb eval</title><style>{style}"
                     f"</style></head><body>{''.join(parts)}</body></html>")
     return page
