@@ -68,7 +68,7 @@ def serving_problem(conn: psycopg.Connection, settings: Settings) -> tuple[str |
     if stored[0] != dimensions:
         return model, f"the model is registered with {dimensions} dimensions, its vector table holds {stored[0]}"
     try:
-        queries = _query_embedder(model, settings).dimensions
+        queries = _query_embedder(conn, model, settings).dimensions
     except Exception as exc:  # noqa: BLE001 - unknown model, unreachable endpoint: it cannot embed queries
         return model, f"cannot embed queries for the model ({type(exc).__name__})"
     if queries != dimensions:

@@ -56,8 +56,9 @@ def open_root(path: Path, known: str | None) -> Iterator[int]:
         raise FileNotFoundError(errno.ENOENT, f"{path} is not a folder", str(path)) from None
     try:
         if known is not None and identity(fd) != known:
-            raise RootChanged(errno.EXDEV, f"{path} is not the folder kb crawled before: it was replaced, or is a"
-                                           " link to another folder now; nothing was read or deleted", str(path))
+            raise RootChanged(errno.EXDEV, f"{path} is not the folder kb crawled before: it was replaced, is a link"
+                                           " to another folder now, or was mounted anew (a remount can change its"
+                                           " device number); nothing was read or deleted", str(path))
         yield fd
     finally:
         os.close(fd)
