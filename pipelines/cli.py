@@ -671,7 +671,7 @@ def _check_readers(conn, source_id: str | None, groups, as_of=None) -> str | Non
     return (f"note: reading as {'groups ' + ', '.join(groups) if groups else 'a public caller'}, so"
             f" {_count(len(hidden), 'source')} {'is' if len(hidden) == 1 else 'are'} left out: "
             + "; ".join(f"{s.source_id} (groups {', '.join(s.groups)})" for s in hidden)
-            + ". Add --group G to read as a member of G")
+            + f". Add --group {hidden[0].groups[0]} (or another of their groups) to read as its member")
 
 
 def _count(n: int, noun: str) -> str:

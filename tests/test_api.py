@@ -46,8 +46,11 @@ def test_debug_shows_which_arm_found_each_chunk(client):
 
 
 def test_filter_by_source(client):
-    body = client.get("/v1/knowledge/search", params={"q": "policy", "source_id": "nope"}).json()
-    assert body["chunks"] == [] and body["source_id"] == "nope"
+    body = client.get("/v1/knowledge/search", params={"q": "policy", "source_id": "samples"}).json()
+    assert body["chunks"] and {c["source"] for c in body["chunks"]} == {"samples"}
+    unknown = client.get("/v1/knowledge/search", params={"q": "policy", "source_id": "nope"})
+    assert unknown.status_code == 404 and unknown.json()["detail"] == ("no source 'nope' that this caller may read;"
+                                                                       " GET /v1/sources lists them")
 
 
 INVALID = [

@@ -252,6 +252,11 @@ def create_app(settings: Settings | None = None, require_key: bool = False, limi
 
         def work(conn: psycopg.Connection, key: ApiKey | None) -> dict:
             filters = Filters(source_id=source_id, groups=groups_for(key, requested), as_of=as_of)
+            if source_id is not None and as_of is None and source_id not in visible_sources(conn, filters.groups):
+                # A typo answered "no chunks" looked like an empty source. Unknown and unreadable read the same,
+                # so a caller learns nothing about sources it may not read.
+                raise HTTPException(status_code=404, detail=f"no source {source_id!r} that this caller may read;"
+                                                            " GET /v1/sources lists them")
             return run_search(conn, settings, q, k, arm=arm, lexical_weight=lexical_weight, filters=filters,
                               debug=debug, mode=mode, diversity=diversity, freshness=freshness, exact_first=exact_first)
 
