@@ -19,7 +19,7 @@ def report_metadata(report: StageReport) -> dict:
     if report.failures:
         metadata["failures"] = dg.MetadataValue.md("\n".join(f"- `{f.source_id}:{f.locator}`: {f.reason}" for f in report.failures))
     if report.skipped:
-        metadata["skipped"] = dg.MetadataValue.md("\n".join(f"- `{f.source_id}:{f.locator}`: {f.reason}" for f in report.skipped))
+        metadata["skipped files"] = dg.MetadataValue.md("\n".join(f"- `{f.source_id}:{f.locator}`: {f.reason}" for f in report.skipped))
     return metadata
 
 

@@ -204,3 +204,15 @@ def test_the_check_reads_the_serving_model_and_its_own_partition(conn, settings,
                  " JOIN documents d USING (document_id) WHERE d.source_id = 'other' AND c.text_hash = v.text_hash")
     assert unsearchable_chunks(conn, 256, ["faq"]) == {"without_vector": 0, "over_token_limit": 0}
     assert unsearchable_chunks(conn, 256, ["other"])["without_vector"] == 1
+
+
+def test_skipped_files_show_in_the_stage_metadata_beside_their_count():
+    from assets.metadata import report_metadata
+    from pipelines.ingest.failures import Failure
+    from pipelines.ingest.report import StageReport
+
+    report = StageReport("extract", ("seen", "skipped"))
+    report.skip(Failure("share", "logo.png", "extract", "unsupported file type .png"))
+    metadata = report_metadata(report)
+    assert metadata["skipped"].value == 1 and "failures" not in metadata
+    assert metadata["skipped files"].value == "- `share:logo.png`: unsupported file type .png"
