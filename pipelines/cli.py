@@ -370,7 +370,7 @@ def search(query, k, source_id, arm, mode, lexical_weight, k_overfetch, groups, 
                               k_overfetch=k_overfetch, filters=filters, debug=debug, rerank=not no_rerank,
                               diversity=diversity, freshness=freshness, exact_first=not no_exact_first)
         except EmptyKnowledgeBase as exc:
-            raise click.ClickException(str(exc)) from exc
+            raise UserError(str(exc)) from exc
     text = "\n\n".join(
         f"{i}. [{c['score']:.4f}] {c['source']}:{_shown(c['document'])}"
         + (f" > {_shown(' > '.join(c['section_path']))}" if c["section_path"] else "")
@@ -609,7 +609,7 @@ def cite(answer, groups, strict, as_json) -> None:
         try:
             data = run_citation_check(conn, settings, claims, retrieved, list(groups))
         except EmptyKnowledgeBase as exc:
-            raise click.ClickException(str(exc)) from exc
+            raise UserError(str(exc)) from exc
     text = "\n".join(f"{c['status']:<8} chunk {c['chunk_id']}: {c['reason']} | {_snippet(c['claim'], 70)}"
                      for c in data["citations"]) or "no citations to check: the answer makes no claim"
     _emit(data, as_json, text)
@@ -706,7 +706,7 @@ def ask(question, k, mode, source_id, groups, as_of, hyde, compress, no_rerank, 
             data = answer_question(conn, settings, question, k, mode=mode, rerank=not no_rerank, hyde=hyde,
                                    compress=compress, filters=Filters(source_id=source_id, groups=list(groups), as_of=as_of))
         except EmptyKnowledgeBase as exc:
-            raise click.ClickException(str(exc)) from exc
+            raise UserError(str(exc)) from exc
     lines = [_shown(data["answer"])]
     if data["abstained"]:
         lines.append(f"({data['reason']})")
@@ -970,8 +970,10 @@ def dagster_ingest(sources, dask, as_json) -> None:
         lines.append(f"{source_id}: run {result['run_id'][:8]} " + ("succeeded" if result["success"] else "FAILED")
                      + (f": {_count(c.get('documents_seen', 0), 'document')} seen, {c.get('documents_new', 0)} new,"
                         f" {c.get('documents_changed', 0)} changed, {c.get('documents_deleted', 0)} deleted,"
-                        f" {c.get('documents_failed', 0)} failed; {c.get('chunks_written', 0)} chunks written,"
-                        f" {c.get('embeddings_computed', 0)} embedded, {c.get('cards_written', 0)} cards" if c else "")
+                        f" {c.get('documents_skipped', 0)} skipped, {c.get('documents_failed', 0)} failed;"
+                        f" chunks {c.get('chunks_inserted', 0)} added, {c.get('chunks_updated', 0)} updated,"
+                        f" {c.get('chunks_closed', 0)} closed; {c.get('embeddings_computed', 0)} embedded;"
+                        f" {_count(c.get('cards_written', 0), 'Q&A card')}" if c else "")
                      + (f"\n  {result['failure']}" if result["failure"] else ""))
     _emit(results, as_json, "\n".join(lines))
     if not all(r["success"] for r in results.values()):

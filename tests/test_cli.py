@@ -386,3 +386,8 @@ def test_text_output_reads_as_written_not_as_python(settings, tmp_path):
     assert re.search(r"\(folder .*; readable by groups legal\): 1 document, \d+ chunks,", status), status
     removed = kb("source", "remove", "one").stdout
     assert removed.strip() == "removed one: 1 document soft-deleted"
+
+
+def test_searching_an_empty_knowledge_base_says_what_to_run(settings):
+    for command in (["search", "leave"], ["ask", "How long is parental leave?"]):
+        one_error_line(kb(*command), "the knowledge base is empty: run `kb ingest` first")

@@ -64,6 +64,7 @@ def test_kb_dagster_ingest_runs_the_ingest_job_on_a_postgres_instance_and_prints
 
     again = kb("dagster", "ingest", "small")
     assert again.returncode == 0 and "2 documents seen, 0 new, 0 changed" in again.stdout, again.stdout
+    assert "0 skipped, 0 failed; chunks 0 added, 0 updated, 0 closed; 0 embedded;" in again.stdout, again.stdout
 
     # The instance lives in its own database on kb's server: runs carry their job name and partition.
     from assets.instance import open_instance
