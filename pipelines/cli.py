@@ -74,7 +74,7 @@ def _when(value) -> str:
     return value.isoformat(timespec="seconds") if value is not None else "never"
 
 
-UNITS = {"extract": "file", "parse": "doc", "chunk": "doc", "enrich": "chunk", "embed": "chunk", "publish": "doc",
+UNITS = {"extract": "doc", "parse": "doc", "chunk": "doc", "enrich": "chunk", "embed": "chunk", "publish": "doc",
          "cards": "chunk"}
 
 
@@ -97,7 +97,13 @@ def _progress_factory(enabled: bool):
             self.bar.update(count)
 
         def done(self, report) -> None:
-            self.bar.close()
+            """A finished bar stays on screen; a stage with nothing to do says so in words, not as `0doc [?doc/s]`."""
+            if not self.bar.total:
+                self.bar.leave = False
+                self.bar.close()
+                self.bar.write(f"{self.bar.desc}: nothing to do", file=sys.stderr)
+            else:
+                self.bar.close()
 
     class Lines(Progress):
         """A log line per event, each with its time (a log read later must say when a stage started and ended)."""

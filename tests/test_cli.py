@@ -103,11 +103,11 @@ def test_each_stage_reports_its_total_and_its_end_when_not_on_a_terminal(setting
     assert "%|" not in out.stderr and "/s]" not in out.stderr  # no bars in logs
 
 
-def test_on_a_terminal_each_stage_shows_a_bar_with_total_rate_and_eta(settings, tmp_path):
+def on_a_terminal(*args: str) -> str:
+    """What `kb ARGS` writes to a terminal 120 columns wide (its stderr), once it has exited 0."""
     leader, follower = pty.openpty()
-    fcntl.ioctl(follower, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 120, 0, 0))  # a terminal 120 columns wide
-    process = subprocess.Popen([KB, "ingest", str(small_folder(tmp_path))], stdout=subprocess.PIPE,
-                               stderr=follower, env=os.environ.copy())
+    fcntl.ioctl(follower, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 120, 0, 0))
+    process = subprocess.Popen([KB, *args], stdout=subprocess.PIPE, stderr=follower, env=os.environ.copy())
     os.close(follower)
     screen = b""
     while True:
@@ -119,13 +119,21 @@ def test_on_a_terminal_each_stage_shows_a_bar_with_total_rate_and_eta(settings, 
             break
         screen += chunk
     assert process.wait(timeout=600) == 0
-    text = screen.decode(errors="replace")
+    return screen.decode(errors="replace")
+
+
+def test_on_a_terminal_each_stage_shows_a_bar_with_total_rate_and_eta(settings, tmp_path):
+    folder = small_folder(tmp_path)
+    text = on_a_terminal("ingest", str(folder))
     for stage in ("extract", "parse", "chunk", "enrich", "embed", "publish"):
         bar = re.search(rf"{stage}\s*: +\d+%\|[^|]*\| \d+/(\d+) \[\d\d:\d\d<[\d:?]+, +(?:[\d.?]+ ?\w+/s|[\d.]+s/\w+)\]",
                         text)
         assert bar and int(bar.group(1)) > 0, (stage, text[-2000:])
     for stage in ("extract", "parse", "chunk", "enrich", "embed", "publish"):  # each bar stays, at 100%, when done
         assert re.search(rf"\r{stage}\s*: 100%\|[^\r\n]*\]\r?\n", text), (stage, text[-2000:])
+    again = on_a_terminal("ingest", "--source", "small")  # nothing changed: said in words, not as an empty bar
+    for stage in ("parse", "chunk", "enrich", "embed", "publish"):
+        assert re.search(rf"\r{stage}\s*: nothing to do\r?\n", again), (stage, again[-2000:])
 
 
 def test_text_output_has_iso_times_and_never_says_none(settings, tmp_path):
