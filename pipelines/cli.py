@@ -204,7 +204,13 @@ AS_OF = click.DateTime(["%Y-%m-%dT%H:%M:%S%z", "%Y-%m-%dT%H:%M:%S", "%Y-%m-%dT%H
 @click.version_option(package_name="kb", message="%(prog)s %(version)s")
 @click.option("--verbose", is_flag=True, help="Show the traceback of an error.")
 def main(verbose: bool) -> None:
-    """kb: documents in, a retrieval-ready knowledge base out (PostgreSQL + pgvector)."""
+    """kb: documents in, a retrieval-ready knowledge base out (PostgreSQL + pgvector).
+
+    \b
+    Start:  kb ingest FOLDER            (or kb source apply kb.toml, then kb ingest)
+            kb search "words" --group G  (without --group: public sources only)
+            kb serve                     (API and console on http://127.0.0.1:8000)
+    A mistake is one `Error:` line and exit 2; --verbose shows the traceback."""
 
 
 @main.command()
@@ -260,7 +266,10 @@ def ingest(paths, source_name, include, exclude, groups, allow_deletions, accept
         else:
             source_ids = [s.source_id for s in load_sources(conn)]
             if not source_ids:
-                raise click.UsageError("no source is declared: `kb ingest PATH`, `kb source add` or `kb source apply`")
+                config = settings.config_path
+                raise click.UsageError("no source is declared: " + (
+                    f"{config} is not applied yet: run `kb source apply`" if config else
+                    "`kb ingest PATH`, `kb source add` or `kb source apply`"))
         embedder = make_embedder(settings)
         try:
             confirmed = Confirmations(allow_deletions, accept_new_root, retry_failed)
@@ -348,7 +357,8 @@ def _readers(groups) -> str:
               help="Chunks, Q&A cards, or both with the cards that make the top k first.")
 @click.option("--lexical-weight", type=FRACTION, help="RRF weight of the lexical arm (default: by query type).")
 @click.option("--k-overfetch", default=20, show_default=True, type=click.IntRange(1, 1000))
-@click.option("--group", "groups", multiple=True, help="A group the caller belongs to (repeatable).")
+@click.option("--group", "groups", multiple=True,
+              help="Read as a member of this group (repeatable); without it, public sources only.")
 @click.option("--as-of", "as_of", type=AS_OF,
               help="Answer from the knowledge base as it was at this time (UTC unless an offset is given).")
 @click.option("--diversity", default=0.0, type=FRACTION, help="MMR diversity over the candidates (0: off).")
@@ -690,7 +700,8 @@ def _count(n: int, noun: str) -> str:
 @click.option("--k", default=5, show_default=True, type=click.IntRange(1, 20), help="Contexts given to the answer.")
 @click.option("--mode", type=click.Choice(["chunks", "qa_first", "qa_only"]), default="qa_first", show_default=True)
 @click.option("--source-id", help="Only this source.")
-@click.option("--group", "groups", multiple=True, help="A group the caller belongs to (repeatable).")
+@click.option("--group", "groups", multiple=True,
+              help="Read as a member of this group (repeatable); without it, public sources only.")
 @click.option("--as-of", "as_of", type=AS_OF,
               help="Answer from the knowledge base as it was at this time.")
 @click.option("--hyde", is_flag=True, help="Search with the embedding of a hypothetical answer (needs KB_CHAT_MODEL).")

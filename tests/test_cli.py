@@ -399,3 +399,8 @@ def test_text_output_reads_as_written_not_as_python(settings, tmp_path):
 def test_searching_an_empty_knowledge_base_says_what_to_run(settings):
     for command in (["search", "leave"], ["ask", "How long is parental leave?"]):
         one_error_line(kb(*command), "the knowledge base is empty: run `kb ingest` first")
+
+
+def test_ingest_with_a_kb_toml_not_yet_applied_says_to_apply_it(settings, tmp_path):
+    (tmp_path / "kb.toml").write_text('[sources.notes]\nlocation = "."\npublic = true\n')
+    one_error_line(kb("ingest", cwd=tmp_path), f"{tmp_path}/kb.toml is not applied yet: run `kb source apply`")
