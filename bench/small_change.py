@@ -1,11 +1,12 @@
 """What a user waits for in the first hour, as wall time of the `kb` commands they type (process start included):
 one small changed Markdown file (`kb ingest`, and its parse stage), and `kb ask` against `kb search`.
 
-    .venv/bin/python -m bench.small_change [--home /tmp/kb-bench-small] [--runs 5]
+    .venv/bin/python -m bench.small_change [--runs 7] [--tree before=/path/to/an/older/checkout ...]
 
-Declares a copy of the bundled samples in a fresh KB_HOME (the int8 model is exported into KB_MODEL_CACHE first,
-untimed), ingests it once, then times `--runs` edits of one Markdown file and `--runs` of each query command.
-Prints medians and writes bench/results/small_change.json.
+Each tree (default: this checkout) gets a fresh KB_HOME under /tmp/kb-bench-small-<name> holding a copy of the
+bundled samples, ingested once (untimed; the int8 model is exported once into KB_MODEL_CACHE). Then, run by run,
+the trees take turns (so that a busy shared machine slows them alike): an edit of one Markdown file and
+`kb ingest`, `kb ask`, `kb search`. Prints medians per tree and writes bench/results/small_change.json.
 """
 
 from __future__ import annotations
@@ -21,13 +22,12 @@ import sys
 import time
 from pathlib import Path
 
-from pipelines.settings import SAMPLES_DIR
-
 KB = str(Path(sys.executable).parent / "kb")
 QUESTION = "How many weeks of paid leave do primary caregivers get?"
+HERE = Path(__file__).resolve().parent.parent
 
 
-def timed(*args: str, env: dict) -> tuple[float, str]:
+def timed(env: dict, *args: str) -> tuple[float, str]:
     started = time.perf_counter()
     out = subprocess.run([KB, *args], env=env, capture_output=True, text=True, timeout=600)
     if out.returncode not in (0, 3):
@@ -37,32 +37,38 @@ def timed(*args: str, env: dict) -> tuple[float, str]:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--home", type=Path, default=Path("/tmp/kb-bench-small"))
-    parser.add_argument("--runs", type=int, default=5)
+    parser.add_argument("--runs", type=int, default=7)
+    parser.add_argument("--tree", action="append", default=[], metavar="NAME=PATH",
+                        help="a checkout to measure (repeatable; default: this one, as 'this')")
     args = parser.parse_args()
-    shutil.rmtree(args.home, ignore_errors=True)
-    docs = args.home / "docs"
-    shutil.copytree(SAMPLES_DIR / "docs", docs)
-    env = {**os.environ, "KB_HOME": str(args.home)}
-    env.setdefault("KB_MODEL_CACHE", str(Path("/tmp/kb-bench-models")))
-    timed("ingest", str(docs), "--source", "samples", env=env)  # the first ingest: not what is measured
+    trees = dict(t.split("=", 1) for t in args.tree) or {"this": str(HERE)}
+    envs = {}
+    for name, tree in trees.items():
+        home = Path(f"/tmp/kb-bench-small-{name}")
+        shutil.rmtree(home, ignore_errors=True)
+        shutil.copytree(HERE / "samples" / "docs", home / "docs")
+        envs[name] = {**os.environ, "KB_HOME": str(home), "PYTHONPATH": tree,
+                      "KB_MODEL_CACHE": os.environ.get("KB_MODEL_CACHE", "/tmp/kb-bench-models")}
+        timed(envs[name], "ingest", str(home / "docs"), "--source", "samples")  # the first ingest: not measured
 
-    page = docs / "handbook" / "leave-policy.md"
-    ingest, parse = [], []
+    times: dict[str, dict[str, list[float]]] = {name: {"ingest": [], "parse": [], "ask": [], "search": []}
+                                                for name in trees}
     for run in range(args.runs):
-        with page.open("a") as handle:
-            handle.write(f"\nEdit {run} at {time.time()}.\n")
-        seconds, output = timed("ingest", "--source", "samples", env=env)
-        ingest.append(seconds)
-        parse.append(float(re.search(r"parse: done, 1 in ([\d.]+) s", output).group(1)))
-    ask = [timed("ask", QUESTION, env=env)[0] for _ in range(args.runs)]
-    search = [timed("search", QUESTION, env=env)[0] for _ in range(args.runs)]
-    result = {name: round(statistics.median(values), 2) for name, values in
-              (("kb ingest, one changed .md", ingest), ("its parse stage", parse), ("kb ask", ask),
-               ("kb search", search))}
-    for name, seconds in result.items():
-        print(f"{name:<28} {seconds:6.2f} s (median of {args.runs})")
-    out = Path(__file__).parent / "results" / "small_change.json"
+        for name, env in envs.items():
+            with (Path(env["KB_HOME"]) / "docs" / "handbook" / "leave-policy.md").open("a") as page:
+                page.write(f"\nEdit {run} at {time.time()}.\n")
+            seconds, output = timed(env, "ingest", "--source", "samples")
+            times[name]["ingest"].append(seconds)
+            times[name]["parse"].append(float(re.search(r"parse: done, 1 in ([\d.]+) s", output).group(1)))
+            times[name]["ask"].append(timed(env, "ask", QUESTION)[0])
+            times[name]["search"].append(timed(env, "search", QUESTION)[0])
+    labels = {"ingest": "kb ingest, one changed .md", "parse": "  its parse stage", "ask": "kb ask", "search": "kb search"}
+    result = {name: {what: round(statistics.median(values), 2) for what, values in measured.items()}
+              for name, measured in times.items()}
+    print(f"{'seconds, median of ' + str(args.runs):<28}" + "".join(f"{name:>10}" for name in trees))
+    for what, label in labels.items():
+        print(f"{label:<28}" + "".join(f"{result[name][what]:>10.2f}" for name in trees))
+    out = HERE / "bench" / "results" / "small_change.json"
     out.parent.mkdir(exist_ok=True)
     out.write_text(json.dumps(result, indent=2))
 
