@@ -172,3 +172,16 @@ def test_a_long_paragraph_of_plain_text_parses_in_bounded_memory(conn, settings,
     extract(conn, load_sources(conn, ["docs"]), settings.limits)
     report = parse_pending(conn, ["docs"], limits=Limits(parse_memory_mb=400))
     assert report.failures == [] and report.counts["parsed"] == 2
+
+
+def test_only_regular_files_of_an_unsupported_type_are_skipped(settings, tmp_path):
+    """A link or a pipe is a failure whatever its name; a regular .bin file is skipped, never opened."""
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    (docs / "handbook.md").write_text("# Handbook\n\nThe okapi handbook.\n")
+    (docs / "firmware.bin").write_bytes(b"\x00" * 10)
+    (docs / "link.bin").symlink_to(docs / "firmware.bin")
+    os.mkfifo(docs / "pipe.bin")
+    data = json.loads(kb("ingest", str(docs), "--source", "docs", "--json", expect=3).stdout)
+    assert [s["file"] for s in data["skipped"]] == ["firmware.bin"]
+    assert {e["file"] for e in data["errors"]} == {"link.bin", "pipe.bin"}

@@ -17,6 +17,7 @@ import fnmatch
 import json
 import os
 import re
+import stat
 from collections import Counter
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
@@ -90,6 +91,14 @@ def _printable(name: str) -> str:
     return os.fsencode(name).decode("utf-8", "backslashreplace")
 
 
+def _regular(name: str, dir_fd: int) -> bool:
+    """Whether `name` in the folder open as `dir_fd` is a regular file, without following a link."""
+    try:
+        return stat.S_ISREG(os.stat(name, dir_fd=dir_fd, follow_symlinks=False).st_mode)
+    except OSError:
+        return False
+
+
 def walk_folder(crawl: Crawl, known: Known, progress: Progress = NO_PROGRESS) -> Iterator[Found]:
     """Yield the folder's files in a stable order; hidden files and folders are skipped, links are not followed.
     Everything is listed and opened below the root's own descriptor (pipelines/sources/files.py), so a file swapped
@@ -111,7 +120,7 @@ def walk_folder(crawl: Crawl, known: Known, progress: Progress = NO_PROGRESS) ->
     with open_root(root, crawl.known_root) as root_fd:
         crawl.root_identity = identity(root_fd)
         listed: list[str] = []
-        for dirpath, dirnames, filenames, _ in os.fwalk(".", dir_fd=root_fd, onerror=unreadable):
+        for dirpath, dirnames, filenames, dir_fd in os.fwalk(".", dir_fd=root_fd, onerror=unreadable):
             dirnames[:] = sorted(d for d in dirnames if not d.startswith(".")
                                  and os.path.normpath(os.path.join(dirpath, d)) not in crawl.nested)
             for name in sorted(f for f in filenames if not f.startswith(".")):
@@ -122,8 +131,10 @@ def walk_folder(crawl: Crawl, known: Known, progress: Progress = NO_PROGRESS) ->
                     crawl.fail(_printable(relpath), f"{_printable(str(root / relpath))}: the file name is not valid"
                                                     " UTF-8; rename the file")
                     continue
-                if crawl.skip_unsupported and not supported(relpath):  # a share holds images, archives, binaries:
-                    suffix = Path(relpath).suffix.lower() or "(no extension)"  # not a failure of any scheduled run
+                if crawl.skip_unsupported and not supported(relpath) and _regular(name, dir_fd):
+                    # A share holds images, archives, binaries: listed, not a failure of every scheduled run. Only
+                    # regular files: a link or a pipe stays a failure, whatever its name (it is never opened).
+                    suffix = Path(relpath).suffix.lower() or "(no extension)"
                     crawl.skip(relpath, f"unsupported file type {suffix}")
                     continue
                 listed.append(relpath)
