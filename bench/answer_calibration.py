@@ -44,7 +44,7 @@ def collect(dataset: Path) -> list[dict]:
             contexts = _contexts(conn, hits)
             terms = ev.question_terms(conn, case["question"], keys)
             lexemes = _read_contexts(conn, contexts, terms)
-            found = weigh(contexts, terms, query_class.identifiers)
+            found = weigh(contexts, terms, query_class.identifiers, ev.question_codes(case["question"]))
             candidates = [ev.Candidate(s, c.n, context_similarity=c.similarity or 0.0, context_coverage=c.coverage,
                                        coverage=ev.coverage(terms, lexemes[s] | lexemes[c.section]))
                           for c in contexts[:EXTRACT_CONTEXTS] for s in c.sentences]

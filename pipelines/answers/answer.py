@@ -95,7 +95,7 @@ def answer_question(conn: psycopg.Connection, settings: Settings, question: str,
     readable = visible_sources(conn, filters.groups, filters.source_id)
     terms = ev.question_terms(conn, question, list(readable.values()))
     lexemes = _read_contexts(conn, contexts, terms)
-    found = weigh(contexts, terms, query_class.identifiers)
+    found = weigh(contexts, terms, query_class.identifiers, ev.question_codes(question))
     result = {"question": question, "mode": mode, "generator": f"chat:{settings.chat_model}" if client else "extractive",
               "confidence": found["confidence"], "exact_match": bool(found["code_held"]), "evidence": found,
               "short_answer": None, "contexts": [_shown(c) for c in contexts], "timings": timings}
@@ -132,18 +132,22 @@ def answer_question(conn: psycopg.Connection, settings: Settings, question: str,
     return result
 
 
-def weigh(contexts: list[Context], terms: dict[str, float], codes: list[str]) -> dict:
-    """Whether the contexts answer the question, and the evidence for it (contexts' coverage already set)."""
+def weigh(contexts: list[Context], terms: dict[str, float], codes: list[str], asked: list[str]) -> dict:
+    """Whether the contexts answer the question, and the evidence for it (contexts' coverage already set). `codes`
+    are the question's rare codes (the query classifier's identifiers), `asked` every code-shaped token in it: the
+    code rule answers from the contexts that hold every one of them, whole, and hold at least CODE_COVERAGE of
+    the question's rare vocabulary (NR-9 held by a price list does not answer "the maximum payload of the NR-9")."""
     dense = max((c.similarity for c in contexts if c.similarity is not None), default=0.0)
     top = max(contexts, key=lambda c: c.similarity if c.similarity is not None else -1.0, default=None)
     lexical = max((c.coverage for c in contexts), default=0.0)
     of_top = top.coverage if top else 0.0
-    held = [c.n for c in contexts if codes and all(ev.holds_code(f"{c.section} {c.text}", code) for code in codes)]
+    held = [c.n for c in contexts if codes and c.coverage >= ev.CODE_COVERAGE
+            and all(ev.holds_code(f"{c.section} {c.text}", code) for code in {*codes, *asked})]
     score = ev.confidence(dense, lexical, of_top)
     answers = bool(contexts) and (bool(held) or score >= ev.ANSWER_AT)
     why = (f"the evidence that the documents answer this is too weak: confidence {score:.2f} < {ev.ANSWER_AT}"
            f" (closest context's similarity {dense:.2f}; the contexts hold {lexical:.0%} of the question's rare"
-           " words)" + (f"; no context holds {', '.join(codes)}" if codes else ""))
+           " words)" + (f"; no context holds {', '.join(codes)} with the rest of the question" if codes else ""))
     return {"confidence": round(score, 4), "dense": round(dense, 4), "lexical": round(lexical, 4),
             "lexical_of_dense_top": round(of_top, 4), "codes": codes, "code_held": held, "answers": answers,
             "why": why if contexts else "nothing readable matches the question"}

@@ -35,6 +35,9 @@ ANSWER_AT = 0.4
 # cosine and its context's lexical evidence. The negative weight on the context's cosine is what the fit found:
 # among sentences equally close to the question, the one that stands out from its paragraph is the answer.
 SENTENCE_WEIGHTS = (6.85, 2.51, -3.34, 2.69)
+# The code rule's floor: a context holding the question's codes answers when it also holds this share of the
+# question's rare vocabulary (a judgement, not fitted: SQuAD has too few code questions to fit it on).
+CODE_COVERAGE = 0.5
 CARD_MATCH = 0.7  # a Q&A card whose question is at least this close to the question answers with its answer
 SUPPORT_MIN = 0.6  # a claim is supported by a context holding this share of its words, and each of its numbers
 
@@ -96,10 +99,21 @@ def is_question_sentence(sentence: str) -> bool:
     return sentence.rstrip(" *_").endswith("?") or _QUESTION_LINE.match(sentence) is not None
 
 
+def _units(text: str) -> list[str]:
+    """A context's lines, each split into sentences; a table (lines of `cell | cell`, the header first, as the chunker
+    writes them) gives one unit per row, each cell named by its header ("Paid weeks: 20"): a bare row says little."""
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    if len(lines) > 1 and all(" | " in line for line in lines):
+        header = [cell.strip() for cell in lines[0].split("|")]
+        return ["; ".join(f"{h}: {c.strip()}" if h else c.strip() for h, c in zip(header, row.split("|")))
+                for row in lines[1:]]
+    return [s for line in lines for s in split_sentences(line) or [line]]
+
+
 def answer_sentences(text: str) -> list[str]:
-    """The sentences of a context that may answer: no questions, "A:" labels removed."""
+    """The sentences (or table rows) of a context that may answer: no questions, "A:" labels removed."""
     out = []
-    for sentence in split_sentences(text) or [text]:
+    for sentence in _units(text):
         if not is_question_sentence(sentence):
             sentence = _ANSWER_LABEL.sub("", sentence).strip()
             if sentence:
