@@ -188,3 +188,11 @@ def test_scores_are_shown_in_rank_order_or_marked():
     assert shown_scores([0.0162, 0.0161, 0.0150]) == ["0.0162", "0.0161", "0.0150"]
     near_tie = shown_scores([0.0161, 0.0162, 0.0150])  # the demo's first search, ordered by the arms' scores
     assert near_tie == [f"{NEAR_TIE_MARK}0.0161", f"{NEAR_TIE_MARK}0.0162", "0.0150"]
+
+
+def test_the_console_offers_the_mode_and_an_ask_box(company, settings):
+    from test_api import console_dom
+
+    dom = console_dom(settings, "/?ask=What%20happened%20with%20order%20559001%3F")
+    assert 'id="mode"' in dom and "qa_first" in dom and 'id="question"' in dom
+    assert "held at customs" in dom and "VALID" in dom and "confidence" in dom
