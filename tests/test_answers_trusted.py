@@ -19,15 +19,16 @@ from pipelines.answers.evidence import short_answer
 from pipelines.cli import main
 from pipelines.ingest.run import ingest
 from pipelines.retrieval.responses import NEAR_TIE_MARK, shown_scores
-from pipelines.settings import SAMPLES_DIR
 from pipelines.sources.declarations import add_source, declare
 
 SLICE = Path(__file__).parent / "data" / "squad-normans"
 COMPANY = {
-    "it/vpn-certificates.md": "# VPN certificates\n\nClient certificates for the VPN expire after 12 months. Renew"
-                              " your VPN certificate in the self-service portal two weeks before it expires.\n",
-    "support/ticket-558812.md": "# Ticket 558812\n\nOrder 558812 arrived with a cracked drive housing. A replacement"
-                                " drive was shipped on 3 May and the customer confirmed receipt.\n",
+    "it/vpn-certificates.md": "# VPN certificates\n\nThe certificate behind your VPN token expires after 12 months and"
+                              " the token is then reset automatically.\n\n## How do I reset my VPN token?\n\nOpen the"
+                              " self-service portal and choose Security. A new code is sent to your phone within two"
+                              " minutes.\n",
+    "support/ticket-558812.md": "# Ticket 558812\n\nWhat happened with order 558812: the parcel was lost in transit, so"
+                                " a replacement order was sent on 3 May.\n",
     "support/ticket-559001.md": "# Ticket 559001\n\nOrder 559001 was held at customs because the invoice was"
                                 " missing. The broker filed the invoice and the order was delivered on 12 May.\n",
     "hr/on-call.md": "# On-call FAQ\n\nQ: Can I swap my on-call week?\nA: Yes. Agree the swap with a colleague and"
@@ -42,12 +43,13 @@ COMPANY = {
 }
 # What the issue's new user asked, with the text a right answer holds, and two questions nothing here answers.
 COMPANY_QUESTIONS = [
-    {"question": "How do I reset my VPN token?", "answers": ["self-service portal"], "passages": ["faq:faq-001"]},
+    {"question": "How do I reset my VPN token?", "answers": ["self-service portal"],
+     "passages": ["company:it/vpn-certificates.md"]},
     {"question": "What happened with order 559001?", "answers": ["customs"],
      "passages": ["company:support/ticket-559001.md"]},
     {"question": "Can I swap my on-call week?", "answers": ["Agree the swap with a colleague"],
      "passages": ["company:hr/on-call.md"]},
-    {"question": "When do VPN client certificates expire?", "answers": ["12 months"],
+    {"question": "When does the certificate behind a VPN token expire?", "answers": ["12 months"],
      "passages": ["company:it/vpn-certificates.md"]},
     {"question": "What does ERR-7781 mean?", "answers": ["disk quota"], "passages": ["company:ops/errors.md"]},
     {"question": "Who approves on-call overtime?", "answers": ["team lead"], "passages": ["company:hr/on-call.md"]},
@@ -70,7 +72,6 @@ def company(conn, embedder, settings, tmp_path):
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(text)
     add_source(conn, declare("company", tmp_path / "company"), "tests")
-    add_source(conn, declare("faq", SAMPLES_DIR / "faq.jsonl"), "tests")
     ingest(conn, embedder, settings)
     return conn
 
@@ -81,13 +82,15 @@ def cited(result: dict) -> set[str]:
 
 
 def test_a_matching_card_answers_with_its_answer(company, settings):
+    """The certificate sentence is closer in meaning to the question than the card's answer, and was the answer."""
     result = answer_question(company, settings, "How do I reset my VPN token?")
     assert not result["abstained"] and result["contexts"][0]["via_card"] == "How do I reset my VPN token?"
-    assert "self-service portal, choose Security" in result["answer"] and "certificate" not in result["answer"]
-    assert cited(result) == {"faq:faq-001"}
+    assert result["answer"].startswith("Open the self-service portal and choose Security. A new code is sent")
+    assert "certificate" not in result["answer"].split("[")[0] and cited(result) == {"company:it/vpn-certificates.md"}
 
 
 def test_a_question_about_a_code_is_answered_from_the_contexts_that_hold_it(company, settings):
+    """558812's ticket reads like the question and was the answer, although search ranked 559001's first."""
     result = answer_question(company, settings, "What happened with order 559001?")
     assert not result["abstained"] and "customs" in result["answer"] and "558812" not in result["answer"]
     assert cited(result) == {"company:support/ticket-559001.md"} and result["exact_match"]
@@ -110,7 +113,7 @@ def test_markdown_faq_lines_become_cards_and_a_question_is_never_the_answer(comp
 
 
 def test_the_answer_reports_the_short_value_the_question_asks_for(company, settings):
-    result = answer_question(company, settings, "When do VPN client certificates expire?")
+    result = answer_question(company, settings, "When does the certificate behind a VPN token expire?")
     assert not result["abstained"] and "12 months" in result["answer"] and result["short_answer"] == "12 months"
     assert short_answer("Who approves on-call overtime?", "Your team lead approves on-call overtime.") is None
     assert short_answer("When was the order delivered?", "The order was delivered on 12 May.") == "12 May"
@@ -125,7 +128,7 @@ def test_a_model_citing_what_does_not_say_it_is_caught(company, settings, citing
     with FakeOpenAI(chat=scripted_chat(citing)) as fake:
         chat = dataclasses.replace(settings, chat_model="scripted-chat", openai_base_url=fake.base_url,
                                    openai_api_key="test-key")
-        question = "What happened with order 559001?" if citing == "wrong" else "When do VPN client certificates expire?"
+        question = "What happened with order 559001?" if citing == "wrong" else "When does the certificate behind a VPN token expire?"
         result = answer_question(company, chat, question)
     assert result["abstained"] and result["sentences"] == [], result["answer"]
     assert why in result["removed"][0]["why"]
@@ -133,7 +136,7 @@ def test_a_model_citing_what_does_not_say_it_is_caught(company, settings, citing
 
 @pytest.mark.parametrize("citing", ["all", "label", "prose"])
 def test_a_model_that_copies_the_prompt_or_words_its_refusal_is_read_right(company, settings, citing):
-    question = "When do VPN client certificates expire?"
+    question = "When does the certificate behind a VPN token expire?"
     with FakeOpenAI(chat=scripted_chat(citing)) as fake:
         chat = dataclasses.replace(settings, chat_model="scripted-chat", openai_base_url=fake.base_url,
                                    openai_api_key="test-key")
