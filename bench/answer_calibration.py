@@ -33,7 +33,8 @@ def collect(dataset: Path) -> list[dict]:
 
     name = re.sub(r"[^a-z0-9]+", "_", dataset.resolve().name.lower())
     settings = load_settings()
-    settings = dataclasses.replace(settings, database_url=ensure_database(server_url(settings), f"kb_eval_answers_{name}"))
+    settings = dataclasses.replace(settings, database_url=ensure_database(server_url(settings),
+                                                                          f"kb_eval_answers_{name}"))
     rows = []
     with connect(settings) as conn:
         _ingest_corpus(conn, settings, f"answers-{name}", dataset / "corpus.jsonl", None)

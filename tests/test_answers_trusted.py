@@ -117,7 +117,8 @@ def test_the_answer_reports_the_short_value_the_question_asks_for(company, setti
     assert not result["abstained"] and "12 months" in result["answer"] and result["short_answer"] == "12 months"
     assert short_answer("Who approves on-call overtime?", "Your team lead approves on-call overtime.") is None
     assert short_answer("When was the order delivered?", "The order was delivered on 12 May.") == "12 May"
-    assert short_answer("How many days of family care leave?", "Employees get 10 days of family care leave.") == "10 days"
+    assert short_answer("How many days of family care leave?",
+                        "Employees get 10 days of family care leave.") == "10 days"
 
 
 @pytest.mark.parametrize("citing, why", [
@@ -128,7 +129,8 @@ def test_a_model_citing_what_does_not_say_it_is_caught(company, settings, citing
     with FakeOpenAI(chat=scripted_chat(citing)) as fake:
         chat = dataclasses.replace(settings, chat_model="scripted-chat", openai_base_url=fake.base_url,
                                    openai_api_key="test-key")
-        question = "What happened with order 559001?" if citing == "wrong" else "When does the certificate behind a VPN token expire?"
+        question = ("What happened with order 559001?" if citing == "wrong"
+                    else "When does the certificate behind a VPN token expire?")
         result = answer_question(company, chat, question)
     assert result["abstained"] and result["sentences"] == [], result["answer"]
     assert why in result["removed"][0]["why"]

@@ -134,7 +134,8 @@ _KINDS = {
     "date": (re.compile(r"^\s*(?:in\s+)?(?:when|what\s+(?:year|years|century|decade|date|day|month|time|period)|"
                         r"which\s+(?:year|century|decade|date|day|month))\b", re.I),
              re.compile(rf"\b(?:(?:\d+|{_NUMBER_WORDS})\s+(?:seconds?|minutes?|hours?|days?|weeks?|months?|years?)|"
-                        rf"\d{{1,2}}\s+(?:{_MONTHS})\s+\d{{3,4}}|\d{{1,2}}\s+(?:{_MONTHS})|(?:{_MONTHS})(?:\s+\d{{1,2}},?)?\s+\d{{3,4}}|"
+                        rf"\d{{1,2}}\s+(?:{_MONTHS})\s+\d{{3,4}}|"
+                        rf"\d{{1,2}}\s+(?:{_MONTHS})|(?:{_MONTHS})(?:\s+\d{{1,2}},?)?\s+\d{{3,4}}|"
                         rf"\d{{1,2}}(?:st|nd|rd|th)\s+centur(?:y|ies)|\d{{3,4}}s?(?:\s*(?:BC|AD|BCE|CE))?|"
                         rf"(?:{_MONTHS})|\d{{1,2}}(?:st|nd|rd|th)?\s+(?:century|centuries))\b")),
     "name": (re.compile(r"^\s*(?:who|whom|whose|where|which\s+(?:person|man|woman|city|country|company|team|group|"
