@@ -239,9 +239,19 @@ def ingest(paths, source_name, include, exclude, groups, allow_deletions, accept
     --group). A declared source is ingested exactly as declared: giving it another location, globs or groups
     here is refused; change a declaration with `kb source update` or in its config file."""
     from pipelines.ingest.golden import GateFailed
-    from pipelines.ingest.run import EXIT_FILE_FAILURES, EXIT_GATE_FAILED, Confirmations, IngestRun
+    from pipelines.ingest.run import (
+        EXIT_FILE_FAILURES,
+        EXIT_GATE_FAILED,
+        Confirmations,
+        IngestRun,
+    )
     from pipelines.models.embedders import make_embedder
-    from pipelines.sources.declarations import actor, get_source, load_sources, source_for_ingest
+    from pipelines.sources.declarations import (
+        actor,
+        get_source,
+        load_sources,
+        source_for_ingest,
+    )
     from pipelines.storage.database import connect
 
     if source_name and len(paths) > 1:
@@ -372,7 +382,13 @@ def _readers(groups) -> str:
 def search(query, k, source_id, arm, mode, lexical_weight, k_overfetch, groups, as_of, diversity, freshness, no_rerank,
            no_exact_first, debug, as_json) -> None:
     """Hybrid search: dense vectors + BM25, fused with weighted Reciprocal Rank Fusion."""
-    from pipelines.retrieval.responses import EmptyKnowledgeBase, run_search
+    from pipelines.retrieval.responses import (
+        NEAR_TIE_LEGEND,
+        NEAR_TIE_MARK,
+        EmptyKnowledgeBase,
+        run_search,
+        shown_scores,
+    )
     from pipelines.retrieval.search import Filters
     from pipelines.storage.database import connect
 
@@ -387,13 +403,16 @@ def search(query, k, source_id, arm, mode, lexical_weight, k_overfetch, groups, 
                               diversity=diversity, freshness=freshness, exact_first=not no_exact_first)
         except EmptyKnowledgeBase as exc:
             raise UserError(str(exc)) from exc
+    scores = shown_scores([c["score"] for c in data["chunks"]])
     text = "\n\n".join(
-        f"{i}. [{c['score']:.4f}] {c['source']}:{_shown(c['document'])}"
+        f"{i}. [{scores[i - 1]}] {c['source']}:{_shown(c['document'])}"
         + (f" > {_shown(' > '.join(c['section_path']))}" if c["section_path"] else "")
         + (f"\n   Q: {_snippet(c['question'])}" if c["kind"] == "card" else "")
         + (f"\n   {_shown(_explained(c))}" if debug else "")
         + f"\n   {_snippet(c['content'])}" for i, c in enumerate(data["chunks"], 1)) or (
         f"no results: {data['note']}" if data.get("note") else "no results")
+    if any(NEAR_TIE_MARK in score for score in scores):
+        text += f"\n\n{NEAR_TIE_LEGEND}"
     if debug:
         e = data["explain"]
         text = f"{e['kind']} query, lexical weight {e['lexical_weight']:g}: {e['reason']}\n\n{text}"
@@ -466,9 +485,10 @@ def sweep(freshness_hours, as_json) -> None:
               help="Write every query's metrics here (JSON), for a later --compare.")
 @click.option("--compare", "compare_path", type=click.Path(exists=True, dir_okay=False, path_type=Path),
               help="A --per-query file of an earlier run: paired per-query differences (mean, standard error).")
-@click.option("--answers", "answer_set", type=click.Path(exists=True, dir_okay=False, path_type=Path),
-              help="Also score the answer layer on this question set over the current knowledge base"
-                   " (e.g. samples/answers.jsonl): retrieval by mode, abstention, citation validity.")
+@click.option("--answers", "answer_set", type=click.Path(exists=True, path_type=Path),
+              help="Also score the answer layer: a question file over the current knowledge base (e.g."
+                   " samples/answers.jsonl), or a dataset folder (corpus.jsonl + questions.jsonl) ingested into a"
+                   " database of its own; format in docs/retrieval.md.")
 @click.option("--group", "groups", multiple=True, help="With --answers: read as a member of this group.")
 @click.option("--hyde", is_flag=True, help="With --answers: HyDE retrieval (needs KB_CHAT_MODEL).")
 @click.option("--compress", is_flag=True, help="With --answers: contextual compression.")
@@ -482,7 +502,6 @@ def evaluate(datasets, split, database_url, weights, misses, per_query_path, com
     --answers, score grounded answers on the current knowledge base."""
     from pipelines.evaluation.evaluate import (
         METRICS,
-        evaluate_answers,
         evaluate_dataset,
         latency_summary,
         paired_comparison,
@@ -491,12 +510,12 @@ def evaluate(datasets, split, database_url, weights, misses, per_query_path, com
 
     if not datasets and not answer_set:
         raise click.UsageError("give a BEIR dataset folder, or --answers FILE")
-    from pipelines.evaluation.evaluate import check_dataset, read_answer_set
+    from pipelines.evaluation.evaluate import check_dataset, load_answer_set
 
     for dataset in datasets:  # every input checked before the first dataset is ingested
         check_dataset(dataset, split)
     if answer_set:
-        read_answer_set(answer_set)
+        load_answer_set(answer_set / "questions.jsonl" if answer_set.is_dir() else answer_set)
     settings = load_settings()
     reranker = make_reranker(settings)
     report = {dataset.name: evaluate_dataset(settings, dataset, split, database_url, weights, misses, reranker,
@@ -526,17 +545,9 @@ def evaluate(datasets, split, database_url, weights, misses, per_query_path, com
             lines += [f"  miss [{cfg}] {m['query_id']}: {_snippet(m['query'], 80)}" for m in result.get("misses", [])]
         lines.append("")
     if answer_set:
-        from pipelines.storage.database import connect
-
-        with connect(settings) as conn:
-            answers = report["answers"] = evaluate_answers(conn, settings, answer_set, list(groups), hyde=hyde,
-                                                           compress=compress)
-        lines.append(f"answers ({answers['questions']} questions, {answers['unanswerable']} not answerable from the documents)")
-        lines += [f"  retrieval, mode {mode}: " + ", ".join(f"{m} {v:.4f}" for m, v in values.items())
-                  for mode, values in answers["retrieval"].items()]
-        lines.append(f"  abstention: precision {answers['abstention']['precision']}, recall {answers['abstention']['recall']}")
-        lines.append(f"  answered {answers['answers']['answered']}, holding the expected answer"
-                     f" {answers['answers']['holding_expected']}, citations VALID {answers['answers']['citation_validity']}")
+        answers = report["answers"] = _evaluate_answer_set(settings, answer_set, list(groups), database_url, hyde,
+                                                           compress, _progress_factory(not as_json))
+        lines += _answer_lines(answers)
     if report_dir:
         from pipelines.evaluation.html_report import write_report
 
@@ -547,6 +558,40 @@ def evaluate(datasets, split, database_url, weights, misses, per_query_path, com
                 result.pop(key, None)
             result["latency_ms"] = latency_summary(result.pop("latency_ms", []))
     _emit(report, as_json, "\n".join(lines).rstrip())
+
+
+def _evaluate_answer_set(settings, path: Path, groups: list[str], database_url: str | None, hyde: bool,
+                         compress: bool, progress) -> dict:
+    """A question file over the current knowledge base, or a dataset folder in a database of its own."""
+    from pipelines.evaluation.evaluate import (
+        evaluate_answer_dataset,
+        evaluate_answers,
+        load_answer_set,
+    )
+    from pipelines.storage.database import connect
+
+    if path.is_dir():
+        return evaluate_answer_dataset(settings, path, groups, database_url, hyde, compress, progress)
+    cases = load_answer_set(path)
+    with connect(settings) as conn:
+        return evaluate_answers(conn, settings, cases, groups, hyde=hyde, compress=compress)
+
+
+def _answer_lines(answers: dict) -> list[str]:
+    """`kb eval --answers` in text: the summary, then every question that went wrong."""
+    groups = ", ".join(f"{n} {g}" for g, n in answers["groups"].items() if n)
+    a, r = answers["answers"], answers["refusals"]
+    lines = [f"answers ({answers['questions']} questions: {groups})"]
+    lines += [f"  retrieval, mode {mode}: " + ", ".join(f"{m} {v:.4f}" for m, v in values.items())
+              for mode, values in answers["retrieval"].items()]
+    lines.append(f"  answerable: answered {a['answered']}, holding the expected answer {a['answer_recall']},"
+                 f" citing a gold passage {a['citation_recall']}, short answer right {a['short_answer_recall']},"
+                 f" citations VALID {a['citation_validity']}")
+    lines.append("  refusals: " + ", ".join(f"{name} {value}" for name, value in r.items()))
+    lines.append("  latency per answer: median {median:.0f} ms, p95 {p95:.0f} ms".format(**answers["latency_ms"]))
+    lines += [f"  {row['verdict']}: {_snippet(row['question'], 70)} -> {_snippet(row['answer'], 90)}"
+              for row in answers["per_question"] if row["verdict"] not in ("right", "refused, right")]
+    return lines
 
 
 @main.command()

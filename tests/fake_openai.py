@@ -127,10 +127,13 @@ _COMMON = {"what", "which", "does", "many", "much", "when", "where", "with", "th
 def scripted_chat(citing: str = "best") -> "Callable[[str], str]":
     """A deterministic stand-in for a chat model, reading kb's own prompts:
     - card prompts: one card per passage, its first sentence as the answer;
-    - answer prompts: the context sharing most words with the question, its first sentence, cited as [n]
-      (citing="missing" cites [99], "none" cites nothing, "best" the right context), or NOT_FOUND when no context
-      holds three fifths of the question's words (compared by their first five letters);
-    - HyDE prompts: a short passage made of the question's words."""
+    - answer prompts: the context sharing most words with the question, its first sentence, cited as [n], or
+      NOT_FOUND when no context holds three fifths of the question's words (compared by their first five letters);
+    - HyDE prompts: a short passage made of the question's words.
+    `citing` makes it misbehave the way small models do: "missing" cites [99], "none" cites nothing, "wrong" cites
+    the next context instead of the right one, "all" cites every context (the prompt's "[1], [2] and so on"),
+    "label" copies a source label from nowhere into the sentence, "prose" always declines in prose ("The answer is
+    not found.", never NOT_FOUND), "invent" always answers, with a figure no context holds."""
     def reply(prompt: str) -> str:
         if prompt.startswith("Write up to"):
             passage = prompt.split("Passage:\n", 1)[1].strip().split("\n\n")[-1]
@@ -146,9 +149,16 @@ def scripted_chat(citing: str = "best") -> "Callable[[str], str]":
         wanted = stems(question)
         contexts = re.findall(r"^\[(\d+)\] \[[^\]]*\] (.*)$", prompt, re.M)
         scored = sorted(((len(wanted & stems(text)), int(n), text) for n, text in contexts), key=lambda t: (-t[0], t[1]))
+        if citing in ("invent", "prose"):  # whatever the contexts say
+            return "Employees are entitled to 37 days of it every year [1]." if citing == "invent" else (
+                "The answer is not found.")
         if not scored or scored[0][0] < 0.6 * len(wanted):
             return "NOT_FOUND"
         _, n, text = scored[0]
         sentence = re.split(r"(?<=[.!?])\s+", text)[0]
-        return sentence + {"best": f" [{n}]", "missing": " [99]", "none": ""}[citing]
+        others = [int(m) for m, _ in contexts if int(m) != n]
+        return sentence + {"best": f" [{n}]", "missing": " [99]", "none": "",
+                           "wrong": f" [{others[0] if others else n}]",
+                           "all": " " + ", ".join(f"[{m}]" for m, _ in contexts),
+                           "label": f" [hr:salaries.md, Bands] [{n}]"}[citing]
     return reply

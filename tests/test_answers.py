@@ -16,7 +16,7 @@ from click.testing import CliRunner
 from fake_openai import FakeOpenAI, scripted_chat
 from fastapi.testclient import TestClient
 
-from pipelines.answers.answer import ABSTAIN_SIMILARITY, answer_question
+from pipelines.answers.answer import answer_question
 from pipelines.cli import main
 from pipelines.ingest.run import ingest
 from pipelines.models.embedders import make_embedder
@@ -57,9 +57,8 @@ def test_faq_cards_come_offline_and_each_mode_reads_what_it_says(samples_kb, emb
     made = cards(samples_kb)
     assert {(locator, question) for locator, question, *_ in made} == {
         ("faq-001", "How do I reset my VPN token?"), ("faq-002", "Where do I submit expense claims?"),
-        ("faq-003", "What is the on-call compensation?"), ("faq-004", "Which laptop models are supported?"),
-        (POLICY, "How to request leave")}
-    assert {generator for _, _, generator, _ in made} == {"faq-rules-1"}
+        ("faq-003", "What is the on-call compensation?"), ("faq-004", "Which laptop models are supported?")}
+    assert {generator for _, _, generator, _ in made} == {"faq-rules-2"}  # "How to request leave" is no question
     query = "How can I reset the VPN token?"
     only = search(samples_kb, embedder, query, 3, mode="qa_only")
     assert only and all(h.kind == "card" for h in only)
@@ -128,12 +127,11 @@ def test_answers_cite_their_sources_and_every_citation_is_checked(samples_kb, se
 def test_not_in_the_documents_is_said_and_the_closest_sources_shown(samples_kb, settings):
     with FakeOpenAI(chat=scripted_chat()) as fake:
         model_says = answer_question(samples_kb, with_chat(settings, fake), "What were the Q2 2024 sales figures for Asia?")
-    assert model_says["confidence"] >= ABSTAIN_SIMILARITY  # close enough to retrieve: the model decides
     assert model_says["abstained"] and "not found in the documents" in model_says["answer"]
-    assert "no answer" in model_says["reason"]
     assert model_says["closest_sources"][0]["document"] == "samples:sales/q3-2024-review.pptx"
     far = answer_question(samples_kb, settings, "How often are fire drills held at the Lyon plant?")
-    assert far["abstained"] and "below" in far["reason"] and len(far["closest_sources"]) == 3
+    assert far["abstained"] and "too weak" in far["reason"] and len(far["closest_sources"]) == 3
+    assert far["evidence"]["lexical"] < 0.5  # nothing readable says "Lyon" or "drill"
 
 
 def test_offline_answers_are_extracted_sentences_with_checked_citations(samples_kb, settings):
@@ -178,7 +176,8 @@ def test_answers_over_the_api_read_only_what_the_key_may_read(samples_kb, settin
         assert client.post("/v1/knowledge/answer", json={**body, "groups": ["finance"]},
                            headers={"X-API-Key": token}).status_code == 403
     assert all(not c["document"].startswith("samples:") for c in anonymous["contexts"])
-    assert not allowed["abstained"] and "20 weeks" in allowed["answer"]
+    assert not allowed["abstained"] and "leave-policy.md" in allowed["answer"]
+    assert "20 weeks" in allowed["answer"] or "Paid weeks: 20" in allowed["answer"]  # the prose, or the table's row
 
 
 def test_kb_eval_scores_the_bundled_answer_set(samples_kb, settings, monkeypatch):
@@ -188,18 +187,23 @@ def test_kb_eval_scores_the_bundled_answer_set(samples_kb, settings, monkeypatch
             monkeypatch.setenv(name, value)
         report = json.loads(kb("eval", "--answers", str(SAMPLES_DIR / "answers.jsonl"), "--json").stdout)["answers"]
         text = kb("eval", "--answers", str(SAMPLES_DIR / "answers.jsonl")).stdout
-    assert "abstention: precision" in text and "retrieval, mode qa_first" in text
+    assert "refusals: precision" in text and "retrieval, mode qa_first" in text and "p95" in text
     assert report["questions"] == 32 and report["unanswerable"] == 12
     assert set(report["retrieval"]) == {"chunks", "qa_first"}
     assert report["retrieval"]["qa_first"]["hit@5"] >= 0.9 and report["retrieval"]["chunks"]["hit@5"] >= 0.9
     rows = report["per_question"]  # the summary is what the rows say
     refused = [r for r in rows if r["abstained"]]
-    unanswerable_refused = [r for r in refused if r["expected"] is None]
-    assert report["abstention"] == {"recall": round(len(unanswerable_refused) / 12, 4),
-                                    "precision": round(len(unanswerable_refused) / len(refused), 4)}
-    assert report["abstention"]["recall"] >= 0.9  # the scripted model says NOT_FOUND when the words are not there
-    assert report["answers"]["answered"] == len(rows) - len(refused)
-    assert report["answers"]["citation_validity"] == 1.0  # every returned citation checked and VALID
+    unanswerable_refused = [r for r in refused if r["group"] != "answerable"]
+    assert report["refusals"]["recall"] == round(len(unanswerable_refused) / 12, 4)
+    assert report["refusals"]["precision"] == round(len(unanswerable_refused) / len(refused), 4)
+    # The scripted model says NOT_FOUND when the words are not there; two of these twelve (sick days, the CEO) pass
+    # the calibrated evidence and share its words with a context, so the model answers them (0.9 before issue 19,
+    # whose threshold was fitted on these very questions).
+    assert report["refusals"]["recall"] >= 0.8
+    answerable = [r for r in rows if r["group"] == "answerable"]
+    assert report["answers"]["answered"] == round(sum(not r["abstained"] for r in answerable) / 20, 4)
+    assert all(c["status"] in ("VALID", "WEAK") for r in rows for c in r["citations"])  # every one checked, none INVALID
+    assert report["answers"]["citation_validity"] >= 0.85
 
 
 def test_a_run_killed_while_writing_cards_converges_to_a_clean_run(settings, samples_copy, tmp_path):

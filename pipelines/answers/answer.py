@@ -1,13 +1,18 @@
-"""Grounded answers (issue 12): retrieval (any mode, filters, groups) -> optional rerank -> numbered contexts ->
-an answer in which every sentence cites its sources as [document, section], each citation checked against its
+"""Grounded answers (issues 12, 19): retrieval (any mode, filters, groups) -> optional rerank -> numbered contexts
+-> an answer in which every sentence cites its sources as [document, section], each citation checked against its
 chunk before the answer is returned, and an honest "not found in the documents" with the closest sources.
 
-With KB_CHAT_MODEL set, a chat model writes the answer from the contexts and cites them by number. Without one,
-kb answers extractively: the context sentences closest in meaning to the question. Either way a sentence whose
-citation is INVALID, or that cites nothing, is removed (and listed); an answer with no verified sentence left is
-refused. kb abstains when the best context is too far from the question in meaning (ABSTAIN_SIMILARITY,
-calibrated on samples/answers.jsonl: bench/README.md) and holds no code the question asks about, or when the
-model says the answer is not there.
+Whether to answer at all is decided before anything is written, from calibrated evidence (evidence.py): the
+contexts' cosine to the question, how much of the question's rare vocabulary they hold, and whether the context
+the dense arm likes best holds it too; a context holding every code the question asks about, verbatim, answers.
+Without a chat model kb answers extractively: a matching Q&A card answers with its answer; otherwise the best
+context sentence, scored by meaning and by the question's rare words with its section heading (never a sentence
+that is itself a question, and only from contexts holding the question's codes), with the short value (number,
+date, name) cut from it when the question asks for one. With KB_CHAT_MODEL set, the model writes the answer and
+cites contexts by number, and kb checks what it wrote: a reply that says it found nothing is a refusal whatever
+its wording, a citation of a context that does not say the sentence is dropped, a sentence no cited context says
+is removed, labels copied from the text are stripped. Either way a sentence whose citation is INVALID, or that
+cites nothing, is removed (and listed); an answer with no verified sentence left is refused.
 
 Query-side options, both off by default: HyDE (search with the embedding of a hypothetical answer the chat model
 writes) and contextual compression (keep only the sentences of each context that bear on the question).
@@ -17,11 +22,12 @@ from __future__ import annotations
 
 import re
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 import numpy as np
 import psycopg
 
+from pipelines.answers import evidence as ev
 from pipelines.answers.citations import validate_citations
 from pipelines.ingest.sentences import split_sentences
 from pipelines.models.chat import ChatNotConfigured, complete, openai_client
@@ -30,20 +36,22 @@ from pipelines.settings import Settings
 
 NOT_FOUND = "not found in the documents"
 NOT_FOUND_MARK = "NOT_FOUND"
-# Abstain when the best context's cosine to the question is below this (and no context holds a code the question
-# asks about). Calibrated on samples/answers.jsonl with the default int8 model, where answerable questions' best
-# contexts score 0.39-0.89 and unanswerable ones 0.19-0.68: 0.55 abstains on 8 of 12 unanswerable questions and on
-# 2 of 20 answerable ones (the sweep is in bench/README.md, "Answers"). The chat model's own "not found" catches
-# the unanswerable questions that retrieval cannot tell apart.
-ABSTAIN_SIMILARITY = 0.55
 COMPRESS_SIMILARITY = 0.3  # compression keeps context sentences at least this close to the question (and the best)
-EXTRACT_MAX_SENTENCES = 2
+EXTRACT_CONTEXTS = 5  # contexts whose sentences may answer
+EXTRACT_MARGIN = 1.0  # a second sentence of the best one's context joins it within this logit (calibration: +3 points)
 PROMPT = ("Answer the question using only the numbered contexts below. After every sentence, cite the contexts it "
           "relies on as [1], [2] and so on. Do not add anything the contexts do not say. If the contexts do not "
           f"contain the answer, reply exactly {NOT_FOUND_MARK}.\n\nQuestion: {{question}}\n\nContexts:\n{{contexts}}")
 HYDE_PROMPT = "Write a short passage, two or three sentences, that answers this question: {question}"
-CITATION = re.compile(r"\s*\[(\d+(?:\s*,\s*\d+)*)\]")
-AFTER_THE_STOP = re.compile(r"([.!?])((?:\s*\[\d+(?:\s*,\s*\d+)*\])+)")  # "pay. [1]": the marks belong before it
+CITATION = re.compile(r"\[(\d+(?:\s*,\s*\d+)*)\]")
+# A run of citation marks: "[1]", "[1, 2]", "[1][2]", "[1], [2] and [3]" (a model copying the prompt's "[1], [2]").
+CITATIONS = re.compile(r"\s*\[\d+(?:\s*,\s*\d+)*\](?:\s*(?:,|and)?\s*\[\d+(?:\s*,\s*\d+)*\])*")
+AFTER_THE_STOP = re.compile(r"([.!?])(" + CITATIONS.pattern + ")")  # "pay. [1]": the marks belong before it
+# A reply that says, in any words, that the contexts do not answer: small models rarely write NOT_FOUND exactly.
+DECLINES = re.compile(r"NOT[_ ]FOUND|\b(?:answer|information)\s+(?:is|was)\s+not\s+(?:found|given|provided|mentioned|"
+                      r"available|stated)|\b(?:do|does|did)\s+not\s+(?:contain|mention|say|state|provide|include|"
+                      r"specify)|\bno\s+(?:information|answer|mention)\b|\bcannot\s+(?:find|answer|determine)|"
+                      r"\bnot\s+(?:mentioned|stated|specified)\s+in\b|\bI\s+(?:don't|do not)\s+know\b", re.I)
 
 
 @dataclass
@@ -55,6 +63,9 @@ class Context:
     text: str
     similarity: float | None  # the hit's cosine to the query
     via_card: str | None = None  # the card's question, when a card found this context
+    card_answer: str | None = None  # that card's answer
+    coverage: float = 0.0  # its lexical evidence: the share of the question's rare vocabulary it holds
+    sentences: list[str] = field(default_factory=list, repr=False)  # the sentences that may answer
 
     def label(self) -> str:
         return f"[{self.document}, {self.section}]" if self.section else f"[{self.document}]"
@@ -81,29 +92,34 @@ def answer_question(conn: psycopg.Connection, settings: Settings, question: str,
     contexts = _contexts(conn, hits)
     if compress:
         contexts = _compressed(embedder, question_vector, contexts)
-    confidence = max((c.similarity for c in contexts if c.similarity is not None), default=0.0)
-    exact = any(hit.exact for hit in hits)  # a context holds the code the question asks about: lexical evidence
+    readable = visible_sources(conn, filters.groups, filters.source_id)
+    terms = ev.question_terms(conn, question, list(readable.values()))
+    lexemes = _read_contexts(conn, contexts, terms)
+    found = weigh(contexts, terms, query_class.identifiers, ev.question_codes(question))
     result = {"question": question, "mode": mode, "generator": f"chat:{settings.chat_model}" if client else "extractive",
-              "confidence": round(confidence, 4), "exact_match": exact, "contexts": [asdict(c) for c in contexts],
-              "timings": timings}
-    if confidence < ABSTAIN_SIMILARITY and not exact:
-        return _abstain(result, contexts, f"the closest context's similarity to the question, {confidence:.2f}, is below"
-                                          f" {ABSTAIN_SIMILARITY}")
+              "confidence": found["confidence"], "exact_match": bool(found["code_held"]), "evidence": found,
+              "short_answer": None, "contexts": [_shown(c) for c in contexts], "timings": timings}
+    if not found["answers"]:
+        return _abstain(result, contexts, found["why"])
     started = time.perf_counter()
+    pool = [c for c in contexts if c.n in found["code_held"]] or contexts[:EXTRACT_CONTEXTS]
     if client is not None:
         reply = complete(client, settings.chat_model, PROMPT.format(
             question=question, contexts="\n".join(f"[{c.n}] {c.label()} {c.text}" for c in contexts)))
-        if NOT_FOUND_MARK in reply:
+        if DECLINES.search(reply):
             timings["generate_s"] = round(time.perf_counter() - started, 3)
             return _abstain(result, contexts, "the model found no answer in the contexts")
-        sentences = _cited_sentences(reply, contexts)
+        sentences, unsupported = _supported(conn, _cited_sentences(without_labels(reply), contexts), contexts,
+                                             lexemes)
     else:
-        sentences = _extract(embedder, question_vector, contexts)
+        sentences, unsupported = _extract(embedder, question, question_vector, pool, terms, lexemes), []
+        if sentences:
+            result["short_answer"] = ev.short_answer(question, sentences[0][0])
     timings["generate_s"] = round(time.perf_counter() - started, 3)
     started = time.perf_counter()
     kept, removed = _verified(conn, embedder, sentences, contexts, filters)
     timings["verify_s"] = round(time.perf_counter() - started, 3)
-    result["removed"] = removed
+    result["removed"] = unsupported + removed
     if not kept:
         return _abstain(result, contexts, "no sentence of the answer could be verified against the sources it cites")
     by_id = {c.chunk_id: c for c in contexts}
@@ -115,6 +131,47 @@ def answer_question(conn: psycopg.Connection, settings: Settings, question: str,
                                   for s in kept))
     return result
 
+
+def weigh(contexts: list[Context], terms: dict[str, float], codes: list[str], asked: list[str]) -> dict:
+    """Whether the contexts answer the question, and the evidence for it (contexts' coverage already set). `codes`
+    are the question's rare codes (the query classifier's identifiers), `asked` every code-shaped token in it: the
+    code rule answers from the contexts that hold every one of them, whole, and hold at least CODE_COVERAGE of
+    the question's rare vocabulary (NR-9 held by a price list does not answer "the maximum payload of the NR-9")."""
+    dense = max((c.similarity for c in contexts if c.similarity is not None), default=0.0)
+    top = max(contexts, key=lambda c: c.similarity if c.similarity is not None else -1.0, default=None)
+    lexical = max((c.coverage for c in contexts), default=0.0)
+    of_top = top.coverage if top else 0.0
+    held = [c.n for c in contexts if codes and c.coverage >= ev.CODE_COVERAGE
+            and all(ev.holds_code(f"{c.section} {c.text}", code) for code in {*codes, *asked})]
+    score = ev.confidence(dense, lexical, of_top)
+    answers = bool(contexts) and (bool(held) or score >= ev.ANSWER_AT)
+    why = (f"the evidence that the documents answer this is too weak: confidence {score:.2f} < {ev.ANSWER_AT}"
+           f" (closest context's similarity {dense:.2f}; the contexts hold {lexical:.0%} of the question's rare"
+           " words)" + (f"; no context holds {', '.join(codes)} with the rest of the question" if codes else ""))
+    return {"confidence": round(score, 4), "dense": round(dense, 4), "lexical": round(lexical, 4),
+            "lexical_of_dense_top": round(of_top, 4), "codes": codes, "code_held": held, "answers": answers,
+            "why": why if contexts else "nothing readable matches the question"}
+
+
+def _shown(context: Context) -> dict:
+    data = asdict(context)
+    data.pop("sentences")
+    return data
+
+
+def _read_contexts(conn: psycopg.Connection, contexts: list[Context], terms: dict[str, float]) -> dict[str, set[str]]:
+    """Split the contexts into the sentences that may answer and read every sentence's and heading's lexemes in
+    one round trip; sets each context's coverage. Returns lexemes by text."""
+    for context in contexts:
+        context.sentences = ev.answer_sentences(context.text)
+    texts = list(dict.fromkeys([s for c in contexts for s in c.sentences] + [c.section for c in contexts]
+                               + [c.via_card for c in contexts if c.via_card]))
+    lexemes = dict(zip(texts, ev.lexemes(conn, texts)))
+    for context in contexts:
+        held = set().union(lexemes[context.section], lexemes.get(context.via_card or "", set()),
+                           *(lexemes[s] for s in context.sentences))
+        context.coverage = round(ev.coverage(terms, held), 4)
+    return lexemes
 
 # A source label as kb writes it, `[source:document, section]` or `[document.ext, section]`: text that looks like one
 # inside a document or a model's reply is not kb's, and would cite what nobody checked.
@@ -142,9 +199,10 @@ def _contexts(conn: psycopg.Connection, hits: list) -> list[Context]:
         chunk_id = hit.source_chunk_id or hit.chunk_id
         if chunk_id not in contexts:
             text = sources.get(chunk_id, hit.content)
+            card = hit.source_chunk_id is not None
             contexts[chunk_id] = Context(len(contexts) + 1, chunk_id, f"{hit.source}:{hit.document}",
                                          " > ".join(hit.section_path), text, hit.dense_score,
-                                         hit.question if hit.source_chunk_id else None)
+                                         hit.question if card else None, hit.content if card else None)
     return list(contexts.values())
 
 
@@ -161,16 +219,43 @@ def _compressed(embedder, question_vector: np.ndarray, contexts: list[Context]) 
     return contexts
 
 
-def _extract(embedder, question_vector: np.ndarray, contexts: list[Context]) -> list[tuple[str, list[int]]]:
-    """The sentence closest to the question among the top contexts, and the next one of the same context when it
-    is nearly as close."""
-    candidates = [(s, c.n) for c in contexts[:3] for s in (split_sentences(c.text) or [c.text])]
-    scores = embedder.embed([s for s, _ in candidates]) @ question_vector
-    order = np.argsort(-scores)
-    best = candidates[order[0]]
-    chosen = [best] + [candidates[i] for i in order[1:EXTRACT_MAX_SENTENCES]
-                       if candidates[i][1] == best[1] and scores[i] >= scores[order[0]] - 0.05]
-    return [(text, [n]) for text, n in chosen]
+def _extract(embedder, question: str, question_vector: np.ndarray, pool: list[Context], terms: dict[str, float],
+             lexemes: dict[str, set[str]]) -> list[tuple[str, list[int]]]:
+    """A Q&A card that matches the question answers with its answer. Otherwise the best-scored sentence of the
+    pool (evidence.score_candidates), and the next best of the same context when it scores nearly as well."""
+    card = pool[0] if pool and pool[0].card_answer and (pool[0].similarity or 0) >= ev.CARD_MATCH else None
+    if card is not None:
+        return [(card.card_answer, [card.n])]
+    candidates = [ev.Candidate(s, c.n, context_similarity=c.similarity or 0.0, context_coverage=c.coverage,
+                               coverage=ev.coverage(terms, lexemes[s] | lexemes[c.section]))
+                  for c in pool for s in c.sentences]
+    if not candidates:
+        return []
+    ranked = ev.score_candidates(candidates, embedder.embed([c.text for c in candidates]), question_vector)
+    best = ranked[0]
+    chosen = [best] + [c for c in ranked[1:2] if c.context == best.context and c.score >= best.score - EXTRACT_MARGIN]
+    return [(c.text, [c.context]) for c in chosen]
+
+
+def _supported(conn: psycopg.Connection, sentences: list[tuple[str, list[int]]], contexts: list[Context],
+               lexemes: dict[str, set[str]]) -> tuple[list[tuple[str, list[int]]], list[dict]]:
+    """A model's sentences with only the citations of contexts that say them (evidence.support): a wrong context
+    number, or every number copied from the prompt, is dropped; a sentence no cited context says is removed."""
+    by_number = {c.n: c for c in contexts}
+    context_lexemes = {c.n: set().union(lexemes[c.section], *(lexemes[s] for s in c.sentences)) for c in contexts}
+    claims = ev.lexemes(conn, [text for text, _ in sentences])
+    kept, removed = [], []
+    for (text, numbers), claim in zip(sentences, claims):
+        if not numbers or any(n not in by_number for n in numbers):
+            kept.append((text, numbers))  # _verified names what is missing
+            continue
+        saying = [n for n in dict.fromkeys(numbers)
+                  if ev.support(claim, text, context_lexemes[n], by_number[n].text) >= ev.SUPPORT_MIN]
+        if saying:
+            kept.append((text, saying))
+        else:
+            removed.append({"text": text, "why": f"cited context {numbers} does not say this"})
+    return kept, removed
 
 
 def _cited_sentences(reply: str, contexts: list[Context]) -> list[tuple[str, list[int]]]:
@@ -178,7 +263,7 @@ def _cited_sentences(reply: str, contexts: list[Context]) -> list[tuple[str, lis
     sentences = []
     for sentence in split_sentences(AFTER_THE_STOP.sub(r"\2\1", reply)):
         numbers = [int(n) for group in CITATION.findall(sentence) for n in group.split(",")]
-        text = CITATION.sub("", sentence).strip()
+        text = CITATIONS.sub("", sentence).strip()
         if text:
             sentences.append((text, numbers))
     return sentences

@@ -7,6 +7,7 @@ recip_rank over the top 10, plus nDCG@10 and recall@100. A document's rank is it
 from __future__ import annotations
 
 import json
+import re
 import statistics
 import time
 from dataclasses import dataclass
@@ -103,23 +104,6 @@ def load_dataset_queries(dataset: Path, split: str) -> tuple[dict[str, str], dic
             queries[str(record["_id"])] = record["text"]
             metadata[str(record["_id"])] = record.get("metadata") or {}
     return queries, {q: rels for q, rels in qrels.items() if q in queries}, metadata
-
-
-def read_answer_set(path: Path) -> list[dict]:
-    """The question set of `kb eval --answers`: one {"question", "document" (source:path, or null when the
-    documents do not hold the answer), "answer" (a phrase the answer should hold)} per line."""
-    cases = []
-    for number, case in _json_lines(path):
-        if not isinstance(case.get("question"), str) or not case["question"].strip():
-            raise DatasetError(f"{path} line {number} has no \"question\": each line is {{\"question\": ...,"
-                               " \"document\": \"source:path\" or null, \"answer\": ...}, as in samples/answers.jsonl")
-        for key in ("document", "answer"):
-            if case.get(key) is not None and not isinstance(case[key], str):
-                raise DatasetError(f"{path} line {number}: \"{key}\" must be a string or null")
-        cases.append(case)
-    if not cases:
-        raise DatasetError(f"{path} holds no questions (one JSON object per line, as in samples/answers.jsonl)")
-    return cases
 
 
 def document_run(hits, limit: int = 100) -> dict[str, float]:
@@ -239,11 +223,8 @@ def evaluate_dataset(settings, dataset: Path, split: str | None = None, database
     source follows the dataset's location; in a database given with --database-url a source declared there is
     never changed: one at another location is refused."""
     import dataclasses
-    import re
 
-    from pipelines.ingest.run import ingest
     from pipelines.models.embedders import make_embedder
-    from pipelines.sources.declarations import DeclarationError, actor, add_source, declare, get_source, update_source
     from pipelines.storage.database import connect, ensure_database
     from pipelines.storage.database import database_url as server_url
     from pipelines.storage.status import ingest_statistics
@@ -258,17 +239,7 @@ def evaluate_dataset(settings, dataset: Path, split: str | None = None, database
     if reranker is not None:
         configs.append(Configuration("hybrid+rerank", "hybrid", rerank=True))
     with connect(settings) as conn:
-        corpus = declare(source_id, dataset / "corpus.jsonl")
-        stored = get_source(conn, source_id)
-        if stored is None:
-            add_source(conn, corpus, actor("kb eval"))
-        elif stored.path != corpus.path and database_url:
-            raise DeclarationError(f"source {source_id!r} is declared in that database at {stored.path}, not"
-                                   f" {corpus.path}; kb eval never changes a declared source: evaluate in another"
-                                   " database, or move the source with `kb source update`")
-        elif stored.path != corpus.path:
-            update_source(conn, source_id, actor("kb eval"), location=corpus.location)
-        summary = ingest(conn, embedder, settings, [source_id], **({"progress": progress} if progress else {}))
+        summary = _ingest_corpus(conn, settings, source_id, dataset / "corpus.jsonl", database_url, progress)
         if summary.counters()["cards_written"] or conn.execute(
                 "SELECT 1 FROM chunks c JOIN documents d USING (document_id) WHERE d.source_id = %s AND c.kind = 'card'"
                 " LIMIT 1", (source_id,)).fetchone():
@@ -285,47 +256,170 @@ def evaluate_dataset(settings, dataset: Path, split: str | None = None, database
             "classifier": kinds, "results": results, "statistics": statistics}
 
 
-def evaluate_answers(conn: psycopg.Connection, settings, path: Path, groups: list[str], k: int = 5,
-                     hyde: bool = False, compress: bool = False) -> dict:
-    """Score the answer layer on a question set over the current knowledge base (samples/answers.jsonl: questions
-    with the document that answers them, and plausible questions whose answer is nowhere, `document` null).
+ANSWER_GROUPS = ("answerable", "unanswerable", "out_of_corpus")
 
-    - retrieval: hit@1 and hit@5 of the answering document, in mode qa_first against chunks;
-    - abstention: precision and recall of "not found" on the unanswerable questions;
-    - answers: how many hold the expected phrase, and the share of their citations that are VALID."""
+
+def load_answer_set(path: Path) -> list[dict]:
+    """An answer set (docs/retrieval.md, "Evaluating answers"): one JSON object per line with `question`,
+    `answers` (the texts a right answer holds; [] when the documents do not answer), `passages` (the documents
+    that hold the answer, as source:locator or, in a dataset folder, the corpus record's _id), and optionally
+    `id` and `group` (answerable, unanswerable: the documents do not say, out_of_corpus: about something not
+    ingested). The older form with `document` and `answer` (samples/answers.jsonl) reads the same. A line that is
+    not such a question is a DatasetError naming it."""
+    cases = []
+    for n, record in _json_lines(path):
+        if not isinstance(record.get("question"), str) or not record["question"].strip():
+            raise DatasetError(f"{path} line {n} has no \"question\": each line is {{\"question\": ...,"
+                               " \"answers\": [...], \"passages\": [...]}, or {\"question\", \"document\","
+                               " \"answer\"} as in samples/answers.jsonl")
+        for key in ("document", "answer"):
+            if record.get(key) is not None and not isinstance(record[key], str):
+                raise DatasetError(f"{path} line {n}: \"{key}\" must be a string or null")
+        answers = record.get("answers", [record["answer"]] if record.get("answer") else [])
+        passages = record.get("passages", [record["document"]] if record.get("document") else [])
+        group = record.get("group") or ("answerable" if passages else "unanswerable")
+        if group not in ANSWER_GROUPS:
+            raise DatasetError(f"{path} line {n}: \"group\" is one of {', '.join(ANSWER_GROUPS)}, not {group!r}")
+        cases.append({"id": str(record.get("id", n)), "question": record["question"], "answers": answers,
+                      "passages": passages, "group": group})
+    if not cases:
+        raise DatasetError(f"{path} holds no questions (one JSON object per line, as in samples/answers.jsonl)")
+    return cases
+
+
+_ARTICLES = re.compile(r"\b(a|an|the)\b")
+
+
+def normalized(text: str) -> str:
+    """SQuAD's answer normalization: lower case, no punctuation, no articles, single spaces."""
+    text = "".join(ch for ch in text.lower() if ch.isalnum() or ch.isspace())
+    return " ".join(_ARTICLES.sub(" ", text).split())
+
+
+def holds_answer(answer: str, gold: list[str]) -> bool:
+    said = f" {normalized(answer)} "
+    return any(f" {normalized(g)} " in said for g in gold if normalized(g))
+
+
+def _is_gold(document: str, passages: list[str]) -> bool:
+    return document in passages or document.split(":", 1)[-1] in passages
+
+
+def _ingest_corpus(conn: psycopg.Connection, settings, source_id: str, corpus: Path, database_url: str | None,
+                   progress=None):
+    """Declare (or follow) the evaluation's corpus source and ingest it. In the evaluation's own database the
+    source follows the dataset's location; in a database given with --database-url a source declared there is
+    never changed: one at another location is refused."""
+    from pipelines.ingest.run import ingest
+    from pipelines.models.embedders import make_embedder
+    from pipelines.sources.declarations import DeclarationError, actor, add_source, declare, get_source, update_source
+
+    declared = declare(source_id, corpus)
+    stored = get_source(conn, source_id)
+    if stored is None:
+        add_source(conn, declared, actor("kb eval"))
+    elif stored.path != declared.path and database_url:
+        raise DeclarationError(f"source {source_id!r} is declared in that database at {stored.path}, not"
+                               f" {declared.path}; kb eval never changes a declared source: evaluate in another"
+                               " database, or move the source with `kb source update`")
+    elif stored.path != declared.path:
+        update_source(conn, source_id, actor("kb eval"), location=declared.location)
+    return ingest(conn, make_embedder(settings), settings, [source_id], **({"progress": progress} if progress else {}))
+
+
+def evaluate_answers(conn: psycopg.Connection, settings, cases: list[dict], groups: list[str], k: int = 5,
+                     hyde: bool = False, compress: bool = False) -> dict:
+    """Score the answer layer on an answer set (load_answer_set) over the current knowledge base:
+
+    - retrieval: hit@1 and hit@5 of a gold passage, in mode qa_first against chunks;
+    - answerable questions: the share answered, whose answer holds a gold answer text (answer recall), and that
+      cite a gold passage (citation recall); the share of citations VALID;
+    - refusals: precision (refused questions that were not answerable) and recall, overall and per group;
+    - latency of each answer; and every question with its answer, citations and verdict."""
     from pipelines.answers.answer import answer_question
     from pipelines.retrieval.responses import retrieve
 
-    cases = read_answer_set(path)
     filters = Filters(groups=groups)
+    answerable = [c for c in cases if c["group"] == "answerable"]
     retrieval = {}
     for mode in ("chunks", "qa_first"):
         hits_at = {1: 0, 5: 0}
-        answerable = [c for c in cases if c.get("document")]
         for case in answerable:
             _, hits = retrieve(conn, settings, case["question"], 5, mode=mode, filters=filters)
             documents = list(dict.fromkeys(f"{h.source}:{h.document}" for h in hits))
-            hits_at[1] += case["document"] in documents[:1]
-            hits_at[5] += case["document"] in documents[:5]
+            hits_at[1] += any(_is_gold(d, case["passages"]) for d in documents[:1])
+            hits_at[5] += any(_is_gold(d, case["passages"]) for d in documents[:5])
         retrieval[mode] = {f"hit@{n}": round(v / max(len(answerable), 1), 4) for n, v in hits_at.items()}
-    abstained = correct = answered = valid = cited = 0
-    true_abstentions = unanswerable = 0
-    rows = []
+    rows, latency_ms, valid, cited = [], [], 0, 0
     for case in cases:
+        started = time.perf_counter()
         result = answer_question(conn, settings, case["question"], k, filters=filters, hyde=hyde, compress=compress)
-        unanswerable += case.get("document") is None
-        abstained += result["abstained"]
-        true_abstentions += result["abstained"] and case.get("document") is None
-        if not result["abstained"]:
-            answered += 1
-            correct += bool(case.get("answer")) and case["answer"].lower() in result["answer"].lower()
-            statuses = [c["status"] for s in result["sentences"] for c in s["citations"]]
-            valid, cited = valid + statuses.count("VALID"), cited + len(statuses)
-        rows.append({"question": case["question"], "expected": case.get("document"), "abstained": result["abstained"],
-                     "confidence": result["confidence"], "answer": result["answer"]})
-    return {"questions": len(cases), "unanswerable": unanswerable, "retrieval": retrieval,
-            "abstention": {"precision": round(true_abstentions / abstained, 4) if abstained else None,
-                           "recall": round(true_abstentions / unanswerable, 4) if unanswerable else None},
-            "answers": {"answered": answered, "holding_expected": correct,
-                        "citation_validity": round(valid / cited, 4) if cited else None},
-            "per_question": rows}
+        latency_ms.append(round((time.perf_counter() - started) * 1000, 2))
+        documents = {c["chunk_id"]: c["document"] for c in result["contexts"]}
+        citations = [{"document": documents.get(c["chunk_id"], str(c["chunk_id"])), "status": c["status"]}
+                     for s in result["sentences"] for c in s["citations"]]
+        valid, cited = valid + sum(c["status"] == "VALID" for c in citations), cited + len(citations)
+        holds = not result["abstained"] and holds_answer(result["answer"], case["answers"])
+        cites_gold = any(_is_gold(c["document"], case["passages"]) for c in citations)
+        if case["group"] != "answerable":
+            verdict = "refused, right" if result["abstained"] else "answered, should refuse"
+        elif result["abstained"]:
+            verdict = "refused, should answer"
+        else:
+            verdict = {(True, True): "right", (True, False): "right text, wrong source",
+                       (False, True): "right source, text missing", (False, False): "wrong"}[(holds, cites_gold)]
+        rows.append({"id": case["id"], "question": case["question"], "group": case["group"],
+                     "expected": case["answers"], "passages": case["passages"], "abstained": result["abstained"],
+                     "answer": result["answer"], "short_answer": result.get("short_answer"), "citations": citations,
+                     "holds_answer": holds, "cites_gold": cites_gold, "verdict": verdict,
+                     "confidence": result["confidence"], "evidence": result.get("evidence"),
+                     "latency_ms": latency_ms[-1]})
+    return {"questions": len(cases), "groups": {g: sum(c["group"] == g for c in cases) for g in ANSWER_GROUPS},
+            "unanswerable": len(cases) - len(answerable), "retrieval": retrieval,
+            "answers": _answer_metrics(rows, valid, cited), "refusals": _refusal_metrics(rows),
+            "latency_ms": latency_summary(latency_ms), "per_question": rows}
+
+
+def _share(part: int, whole: int) -> float | None:
+    return round(part / whole, 4) if whole else None
+
+
+def _answer_metrics(rows: list[dict], valid: int, cited: int) -> dict:
+    answerable = [r for r in rows if r["group"] == "answerable"]
+    answered = [r for r in answerable if not r["abstained"]]
+    return {"answerable": len(answerable), "answered": _share(len(answered), len(answerable)),
+            "answer_recall": _share(sum(r["holds_answer"] for r in answerable), len(answerable)),
+            "citation_recall": _share(sum(r["cites_gold"] for r in answerable), len(answerable)),
+            "short_answer_recall": _share(sum(bool(r["short_answer"]) and holds_answer(r["short_answer"], r["expected"])
+                                              for r in answerable), len(answerable)),
+            "citation_validity": _share(valid, cited)}
+
+
+def _refusal_metrics(rows: list[dict]) -> dict:
+    refused = [r for r in rows if r["abstained"]]
+    metrics = {"precision": _share(sum(r["group"] != "answerable" for r in refused), len(refused)),
+               "recall": _share(sum(r["group"] != "answerable" for r in refused),
+                                sum(r["group"] != "answerable" for r in rows))}
+    for group in ANSWER_GROUPS[1:]:
+        members = [r for r in rows if r["group"] == group]
+        metrics[f"recall {group}"] = _share(sum(r["abstained"] for r in members), len(members))
+    return metrics
+
+
+def evaluate_answer_dataset(settings, dataset: Path, groups: list[str], database_url: str | None = None,
+                            hyde: bool = False, compress: bool = False, progress=None) -> dict:
+    """An answer dataset folder (corpus.jsonl + questions.jsonl) ingested as source `answers-<name>` into its own
+    kb_eval_answers_<name> database (or the one given), then scored with evaluate_answers."""
+    import dataclasses
+
+    from pipelines.storage.database import connect, ensure_database
+    from pipelines.storage.database import database_url as server_url
+
+    name = re.sub(r"[^a-z0-9]+", "_", dataset.resolve().name.lower())
+    settings = dataclasses.replace(settings, database_url=database_url or ensure_database(
+        server_url(settings), f"kb_eval_answers_{name}"))
+    cases = load_answer_set(dataset / "questions.jsonl")
+    with connect(settings) as conn:
+        summary = _ingest_corpus(conn, settings, f"answers-{name}", dataset / "corpus.jsonl", database_url, progress)
+        report = evaluate_answers(conn, settings, cases, groups, hyde=hyde, compress=compress)
+    return {"dataset": str(dataset), "ingest": summary.counters(), **report}

@@ -105,6 +105,27 @@ def _table(rows: list[list], header: list[str]) -> str:
     return f"<table><tr>{head}</tr>{body}</table>"
 
 
+def _answer_parts(answers: dict) -> list[str]:
+    """The answer evaluation: its summary, then every question with its answer, citations and verdict."""
+    a, r = answers["answers"], answers["refusals"]
+    groups = ", ".join(f"{n} {g}" for g, n in answers["groups"].items() if n)
+    parts = [f"<h2>answers ({answers['questions']} questions: {html.escape(groups)})</h2>",
+             _table([[mode] + list(values.values()) for mode, values in answers["retrieval"].items()],
+                    ["retrieval mode", *next(iter(answers["retrieval"].values()))]),
+             _table([[name, value] for name, value in {**a, **{f"refusal {k}": v for k, v in r.items()},
+                                                       "latency ms median": answers["latency_ms"]["median"],
+                                                       "latency ms p95": answers["latency_ms"]["p95"]}.items()],
+                    ["measure", "value"]),
+             "<h3>every question</h3>"]
+    rows = [[row["verdict"], row["group"], row["question"], " | ".join(row["expected"]) or "-", row["answer"],
+             row.get("short_answer") or "-",
+             "; ".join(f"{c['document']} {c['status']}" for c in row["citations"]) or "-",
+             " | ".join(row["passages"]) or "-", f"{row['confidence']:.2f}"] for row in answers["per_question"]]
+    parts.append(_table(rows, ["verdict", "group", "question", "expected", "answer", "short answer", "citations",
+                               "gold passages", "confidence"]).replace("<table>", '<table class="questions">'))
+    return parts
+
+
 def write_report(report: dict, directory: Path) -> Path:
     """report: `kb eval`'s per-dataset results, with per_query and latency_ms still in them."""
     import matplotlib
@@ -145,17 +166,12 @@ def write_report(report: dict, directory: Path) -> Path:
             parts.append(_bars_plot(stats["failures_per_stage"], "failing documents per stage")
                          if stats["failures_per_stage"] else "<p>no failing documents</p>")
     if "answers" in report:
-        answers = report["answers"]
-        parts.append(f"<h2>answers ({answers['questions']} questions, {answers['unanswerable']} unanswerable)</h2>")
-        parts.append(_table([[mode] + [values[m] for m in values] for mode, values in answers["retrieval"].items()],
-                            ["mode", *next(iter(answers["retrieval"].values()))]))
-        parts.append(f"<p>abstention precision {answers['abstention']['precision']}, recall"
-                     f" {answers['abstention']['recall']}; citations VALID {answers['answers']['citation_validity']}</p>")
+        parts += _answer_parts(report["answers"])
     page = directory / "index.html"
     style = ("body{font-family:system-ui,sans-serif;max-width:64rem;margin:2rem auto;color:#222}"
              "table{border-collapse:collapse;margin:.5rem 0}td,th{border:1px solid #ccc;padding:.2rem .5rem;"
              "font-size:.85rem;text-align:right}th{background:#f4f6fa}img{display:block;margin:.5rem 0}"
-             ".about{color:#666}")
+             ".about{color:#666}.questions td{text-align:left;vertical-align:top}")
     page.write_text(f"<!DOCTYPE html><html lang=en><head><meta charset=utf-8><title>kb eval</title><style>{style}"
                     f"</style></head><body>{''.join(parts)}</body></html>")
     return page

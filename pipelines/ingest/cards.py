@@ -6,7 +6,9 @@ filtered, searched and embedded like any chunk, carry their source chunk for cit
 
 Two generators:
 - FAQ rules, always on, offline and deterministic: a section heading phrased as a question (its first chunk is
-  the answer), "Q: ... A: ..." pairs in a chunk's text, and JSONL records with `question` and `answer` fields.
+  the answer; a heading that is not a question, "How to request leave", makes no card), "Q: ... A: ..." pairs in
+  a chunk's text (on two lines, or one paragraph as Markdown FAQs reach kb), and JSONL records with `question`
+  and `answer` fields.
 - A chat model, when KB_CHAT_MODEL is set: any OpenAI-compatible endpoint writes up to three cards per chunk.
 Generation is cached by (generator, the chunk's text hash): a refresh asks only about new text, a restored
 document gets its cards back without a call, and a new model or prompt version is a new generator, whose cards
@@ -31,14 +33,23 @@ from pipelines.models.tokens import TokenCounter
 from pipelines.settings import Settings
 from pipelines.storage import bulk
 
-FAQ_GENERATOR = "faq-rules-1"
+FAQ_GENERATOR = "faq-rules-2"  # 2: Markdown Q/A lines, headings must be questions (issue 19)
 PROMPT_VERSION = "cards-1"
 CARD_KIND = "card"
 MAX_CARDS_PER_CHUNK = 3
-QUESTION_WORDS = re.compile(r"^\s*(how|why|what|when|which|who|whom|whose|where|can|could|should|shall|does|do|did|is|"
-                            r"are|was|were|will|would|may|must|has|have)\b", re.I)
-QA_PAIR = re.compile(r"(?:^|\n)\s*(?:Q|Question)\s*[:.)]\s*(?P<q>.+?)\s*\n\s*(?:A|Answer)\s*[:.)]\s*(?P<a>.+?)"
-                     r"(?=\n\s*(?:Q|Question)\s*[:.)]|\Z)", re.S | re.I)
+# A heading is a question when it ends with "?" or reads as one: an interrogative and then an auxiliary ("How do I
+# reset my token"), or an auxiliary and then its subject ("Can I swap my week"). "How to request leave" and
+# "What we offer" are headings, not questions: a card needs a question.
+QUESTION_FORM = re.compile(r"^\s*(?:(?:how|why|what|when|which|who|whom|whose|where)\s+(?:do|does|did|is|are|was|were|"
+                           r"can|could|should|shall|will|would|may|might|must|has|have|had)|(?:can|could|should|shall|"
+                           r"does|do|did|is|are|was|were|will|would|may|must|has|have)\s+(?:i|we|you|they|he|she|it|"
+                           r"my|our|your|their|the|a|an|this|that|there))\b", re.I)
+# "Q: ... A: ..." pairs, the usual FAQ layout: on separate lines, or on one line when the question ends with "?"
+# (a Markdown FAQ's Q and A lines reach kb as one paragraph). A pair ends where the next Q: begins.
+_NEXT_Q = r"(?:^|\n|(?<=[.!?])[ \t])\s*(?:\*\*)?(?:Q|Question)\s*[:.)]"
+QA_PAIR = re.compile(rf"(?:^|\n|(?<=[.!?])[ \t])\s*(?:\*\*)?(?:Q|Question)\s*[:.)]\s*(?:\*\*)?\s*(?P<q>[^\n]+?\?|.+?)"
+                     r"(?:\s*\n\s*|(?<=\?)[ \t]+)(?:\*\*)?(?:A|Answer)\s*[:.)]\s*(?:\*\*)?\s*(?P<a>.+?)"
+                     rf"(?=\s*{_NEXT_Q}|\s*\Z)", re.S | re.I)
 PROMPT = ("Write up to {n} questions that the passage below answers directly, each with its answer taken from the "
           "passage (a short quote or a close paraphrase, nothing the passage does not say). Reply with a JSON list of "
           '{{"question": ..., "answer": ...}} objects and nothing else; reply [] if the passage answers no question.'
@@ -76,7 +87,7 @@ def faq_cards(chunk: SourceChunk) -> list[dict]:
 
 def _is_question(text: str) -> bool:
     text = text.strip()
-    return bool(text) and (text.endswith("?") or (QUESTION_WORDS.match(text) is not None and len(text.split()) > 2))
+    return bool(text) and (text.endswith("?") or QUESTION_FORM.match(text) is not None)
 
 
 def _distinct(cards: list[dict]) -> list[dict]:

@@ -67,7 +67,7 @@ def is_quantity(token: str) -> bool:
     return _ORDINAL.match(token) is not None
 
 
-def _code_shaped(token: str, query: str) -> bool:
+def code_shaped(token: str, query: str) -> bool:
     """Not a quantity, and at least two characters."""
     if token.startswith("#"):
         return True
@@ -80,7 +80,7 @@ def _code_shaped(token: str, query: str) -> bool:
 
 def classify(conn: psycopg.Connection, query: str, source_keys: list[int], lexical_weight: float | None = None) -> QueryClass:
     """The query's class and lexical weight (`lexical_weight` overrides the weight, never the codes found)."""
-    tokens = sorted({t for t in CODE_LIKE.findall(query) if _code_shaped(t, query)})
+    tokens = sorted({t for t in CODE_LIKE.findall(query) if code_shaped(t, query)})
     identifiers, terms, common = [], [], []
     if tokens:
         chunks = conn.execute(READABLE_CHUNKS, {"source_keys": source_keys}).fetchone()[0]

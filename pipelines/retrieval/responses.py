@@ -118,7 +118,7 @@ def run_search(conn: psycopg.Connection, settings: Settings, query: str, k: int 
     query_class, hits = retrieve(conn, settings, query, k, filters=filters, mode=mode, arm=arm,
                                  exact_first=exact_first, **options)
     if debug:
-        add_highlights(conn, hits)
+        add_highlights(conn, hits, query)
     response = {
         "query": query, "k": k, "source_id": filters.source_id, "mode": mode, "arm": arm,
         "chunks": [hit.as_dict(debug) for hit in hits],
@@ -129,6 +129,21 @@ def run_search(conn: psycopg.Connection, settings: Settings, query: str, k: int 
     if not hits and filters.as_of is not None and (note := _as_of_note(conn, filters)):
         response["note"] = note
     return response
+
+
+NEAR_TIE_MARK = "≈"
+NEAR_TIE_LEGEND = (f"{NEAR_TIE_MARK}: ranked by the arms' own scores in a near-tie, or first for holding the"
+                   " query's code, so not in the order of this fused score")
+
+
+def shown_scores(scores: list[float]) -> list[str]:
+    """The fused scores as shown beside results in rank order: a score that ranks against its number (above a
+    higher one, or below a lower one) is marked, so no list reads 0.0161 above 0.0162 unexplained."""
+    shown = []
+    for i, score in enumerate(scores):
+        inverted = any(score > s for s in scores[:i]) or any(score < s for s in scores[i + 1:])
+        shown.append(f"{NEAR_TIE_MARK if inverted else ''}{score:.4f}")
+    return shown
 
 
 def _as_of_note(conn: psycopg.Connection, filters: Filters) -> str | None:

@@ -297,12 +297,28 @@ def dense_search(conn: psycopg.Connection, embedder: Embedder, query: str, k: in
 _WORD = re.compile(r"[A-Za-z0-9]+(?:[-_./][A-Za-z0-9]+)*|\w+")
 
 
-def add_highlights(conn: psycopg.Connection, hits: list[Hit]) -> None:
-    """Mark the words of each hit's content that gave it its matched terms (their lexemes, as kb_lexemes makes
-    them: stemmed words and identifiers in compact form), as character spans for the console to highlight."""
-    words = sorted({m.group() for hit in hits for m in _WORD.finditer(hit.content)})
+def _code_word(word: str) -> bool:
+    return any(ch.isdigit() for ch in word) or any(sep in word for sep in "-_./")
+
+
+def _compact(word: str) -> str:
+    return re.sub(r"[^a-z0-9]", "", word.lower())
+
+
+def add_highlights(conn: psycopg.Connection, hits: list[Hit], query: str) -> None:
+    """Mark the words of each hit's content that are the query's terms, as character spans for the console: a
+    code-like word ("ERR-5012", "max_wal_senders") when it is one of the query's codes, whole; any other word
+    when it shares a stem with one of the query's plain words. The parts of a code are not the query's words: an
+    ERR-5012 query does not mark ERR-7781 through "err", nor "senders" through max_wal_senders."""
+    asked = [m.group() for m in _WORD.finditer(query)]
+    codes = {_compact(w) for w in asked if _code_word(w)}
+    content = {m.group() for hit in hits for m in _WORD.finditer(hit.content) if not _code_word(m.group())}
+    plain = [w for w in asked if not _code_word(w)]
+    words = sorted(content | set(plain))
     lexemes = dict(conn.execute("SELECT w, tsvector_to_array(kb_lexemes(w)) FROM unnest(%s::text[]) AS w",
-                                (words,)).fetchall())
+                                (words,)).fetchall()) if words else {}
+    stems = {lexeme for w in plain for lexeme in lexemes.get(w, [])}
     for hit in hits:
-        matched = set(hit.matched_terms)
-        hit.highlights = [(m.start(), m.end()) for m in _WORD.finditer(hit.content) if matched & set(lexemes[m.group()])]
+        hit.highlights = [(m.start(), m.end()) for m in _WORD.finditer(hit.content)
+                          if (_compact(m.group()) in codes if _code_word(m.group())
+                              else stems & set(lexemes.get(m.group(), [])))]

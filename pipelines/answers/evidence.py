@@ -1,0 +1,204 @@
+"""The evidence an answer stands on (issue 19): how much of the question's rare vocabulary the contexts hold, the
+codes they hold verbatim, the sentences that can answer, and the calibrated confidence that decides whether kb
+answers at all.
+
+One dense cosine cannot tell a paraphrased answerable question from an off-topic one: an off-topic question still
+finds paragraphs about the same kind of thing, at cosines answerable questions also get. What it lacks is the
+words: a question about the Lyon plant's fire drills names "Lyon" and "drill", which nothing in the knowledge base
+holds. So words are weighed by how rare they are in what the caller may read (BM25's idf over the same lexemes
+the lexical arm indexes, `kb_lexemes`), and a context's lexical evidence is the share of that weight it holds,
+its section heading included. The weights below were fitted on SQuAD 2.0 questions (crowd-written, with
+unanswerable ones) by bench/answer_calibration.py and checked on held-out ones: bench/README.md.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+
+import numpy as np
+import psycopg
+
+from pipelines.ingest.sentences import split_sentences
+from pipelines.retrieval.query_class import CODE_LIKE, READABLE_CHUNKS, code_shaped
+
+# Confidence that the contexts answer the question: a logistic model of (the best context's cosine, the best
+# context's lexical evidence, the lexical evidence of the context the dense arm ranks first), fitted on answerable
+# against out-of-corpus calibration questions. kb answers at ANSWER_AT or above, or when a context holds the
+# question's codes. ANSWER_AT is the operating point chosen on the calibration curve (bench/README.md): the highest
+# threshold that still answers about 88% of answerable questions, since off-topic questions were all refused at
+# any threshold there and the goal is to answer at least 85%.
+CONFIDENCE_WEIGHTS = (-5.55, 3.27, 4.54, 3.2)  # bias, dense, lexical, lexical of the dense top context
+ANSWER_AT = 0.4
+# A sentence's score (a logit): its cosine to the question, its lexical evidence (with its heading), its context's
+# cosine and its context's lexical evidence. The negative weight on the context's cosine is what the fit found:
+# among sentences equally close to the question, the one that stands out from its paragraph is the answer.
+SENTENCE_WEIGHTS = (6.85, 2.51, -3.34, 2.69)
+# The code rule's floor: a context holding the question's codes answers when it also holds this share of the
+# question's rare vocabulary (a judgement, not fitted: SQuAD has too few code questions to fit it on).
+CODE_COVERAGE = 0.5
+CARD_MATCH = 0.7  # a Q&A card whose question is at least this close to the question answers with its answer
+SUPPORT_MIN = 0.6  # a claim is supported by a context holding this share of its words, and each of its numbers
+
+QUESTION_TERMS = """
+SELECT u.lexeme, coalesce(sum(t.df), 0)::float8
+FROM unnest(tsvector_to_array(kb_lexemes(%(question)s))) AS u(lexeme)
+LEFT JOIN lexical_terms t ON t.term = u.lexeme AND t.source_key = ANY(%(source_keys)s)
+GROUP BY u.lexeme
+"""
+TEXT_LEXEMES = ("SELECT tsvector_to_array(kb_lexemes(t)) FROM unnest(%s::text[]) WITH ORDINALITY AS u(t, n)"
+                " ORDER BY n")
+_QUESTION_LINE = re.compile(r"^\s*(?:\*\*)?(?:Q|Question)\s*[:.)]", re.I)
+_ANSWER_LABEL = re.compile(r"^\s*(?:\*\*)?(?:A|Answer)\s*[:.)]\s*(?:\*\*)?\s*", re.I)
+_TOKEN = re.compile(r"[A-Za-z0-9]+(?:[-_./#][A-Za-z0-9]+)*")
+_DIGITS = re.compile(r"\d+(?:[.,]\d+)*")
+
+
+def question_terms(conn: psycopg.Connection, question: str, source_keys: list[int]) -> dict[str, float]:
+    """The question's lexemes weighted by their idf over the readable chunks: a word no readable chunk holds weighs
+    the most, a word most chunks hold almost nothing."""
+    chunks = conn.execute(READABLE_CHUNKS, {"source_keys": source_keys}).fetchone()[0]
+    rows = conn.execute(QUESTION_TERMS, {"question": question, "source_keys": source_keys}).fetchall()
+    return {lexeme: math.log(1 + (chunks - df + 0.5) / (df + 0.5)) for lexeme, df in rows}
+
+
+def lexemes(conn: psycopg.Connection, texts: list[str]) -> list[set[str]]:
+    """Each text's lexemes as the lexical arm indexes them (stems, and identifiers in compact form)."""
+    if not texts:
+        return []
+    return [set(row[0] or ()) for row in conn.execute(TEXT_LEXEMES, (texts,)).fetchall()]
+
+
+def coverage(terms: dict[str, float], held: set[str]) -> float:
+    """The share of the question's term weight that a text holds."""
+    total = sum(terms.values())
+    return sum(w for t, w in terms.items() if t in held) / total if total else 0.0
+
+
+def question_codes(question: str) -> list[str]:
+    return sorted({t for t in CODE_LIKE.findall(question) if code_shaped(t, question)})
+
+
+def _compact(token: str) -> str:
+    return re.sub(r"[^a-z0-9]", "", token.lower())
+
+
+def holds_code(text: str, code: str) -> bool:
+    """The text holds the whole code as a token ("ERR-5012", not "ERR-7781"; "backtrace_functions", not "functions")."""
+    return _compact(code) in {_compact(t) for t in _TOKEN.findall(text)}
+
+
+def confidence(dense: float, lexical: float, lexical_of_dense_top: float) -> float:
+    bias, w_dense, w_lexical, w_top = CONFIDENCE_WEIGHTS
+    return 1 / (1 + math.exp(-(bias + w_dense * dense + w_lexical * lexical + w_top * lexical_of_dense_top)))
+
+
+def is_question_sentence(sentence: str) -> bool:
+    """A question is never an answer: a line that ends with "?" or is labelled Q:/Question:."""
+    return sentence.rstrip(" *_").endswith("?") or _QUESTION_LINE.match(sentence) is not None
+
+
+def _units(text: str) -> list[str]:
+    """A context's lines, each split into sentences; a table (lines of `cell | cell`, the header first, as the chunker
+    writes them) gives one unit per row, each cell named by its header ("Paid weeks: 20"): a bare row says little."""
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    if len(lines) > 1 and all(" | " in line for line in lines):
+        header = [cell.strip() for cell in lines[0].split("|")]
+        return ["; ".join(f"{h}: {c.strip()}" if h else c.strip() for h, c in zip(header, row.split("|")))
+                for row in lines[1:]]
+    return [s for line in lines for s in split_sentences(line) or [line]]
+
+
+def answer_sentences(text: str) -> list[str]:
+    """The sentences (or table rows) of a context that may answer: no questions, "A:" labels removed."""
+    out = []
+    for sentence in _units(text):
+        if not is_question_sentence(sentence):
+            sentence = _ANSWER_LABEL.sub("", sentence).strip()
+            if sentence:
+                out.append(sentence)
+    return out
+
+
+# What a question asks for, and how a value of that kind looks in a sentence.
+_NUMBER_WORDS = ("one|two|three|four|five|six|seven|eight|nine|ten|eleven|twelve|thirteen|fourteen|fifteen|"
+                 "sixteen|seventeen|eighteen|nineteen|twenty|thirty|forty|fifty|sixty|seventy|eighty|ninety|"
+                 "hundred|thousand|million|billion|half|dozen")
+_MONTHS = "January|February|March|April|May|June|July|August|September|October|November|December"
+_KINDS = {
+    "number": (re.compile(r"^\s*(?:in\s+)?how\s+(?:many|much|long|far|old|often|large|big|tall|high|wide|deep|fast)\b"
+                          r"|\bwhat\s+(?:percentage|percent|number|amount|proportion|price|cost|rate)\b", re.I),
+               re.compile(rf"(?:[$€£]\s?)?\b(?:\d[\d,.]*|(?:{_NUMBER_WORDS})(?:[- ](?:{_NUMBER_WORDS}))*)\b"
+                          r"(?:\s?%|\s+percent)?(?:\s+(?!of\b|and\b|the\b|in\b|to\b|a\b)[a-zA-Z][a-z]+){0,1}", re.I)),
+    "date": (re.compile(r"^\s*(?:in\s+)?(?:when|what\s+(?:year|years|century|decade|date|day|month|time|period)|"
+                        r"which\s+(?:year|century|decade|date|day|month))\b", re.I),
+             re.compile(rf"\b(?:(?:\d+|{_NUMBER_WORDS})\s+(?:seconds?|minutes?|hours?|days?|weeks?|months?|years?)|"
+                        rf"\d{{1,2}}\s+(?:{_MONTHS})\s+\d{{3,4}}|"
+                        rf"\d{{1,2}}\s+(?:{_MONTHS})|(?:{_MONTHS})(?:\s+\d{{1,2}},?)?\s+\d{{3,4}}|"
+                        rf"\d{{1,2}}(?:st|nd|rd|th)\s+centur(?:y|ies)|\d{{3,4}}s?(?:\s*(?:BC|AD|BCE|CE))?|"
+                        rf"(?:{_MONTHS})|\d{{1,2}}(?:st|nd|rd|th)?\s+(?:century|centuries))\b")),
+    "name": (re.compile(r"^\s*(?:who|whom|whose|where|which\s+(?:person|man|woman|city|country|company|team|group|"
+                        r"king|president|river|state|region))\b", re.I),
+             re.compile(r"\b[A-Z][\w'’-]+(?:\s+(?:of|de|von|van|the|and|da|del|la)?\s*[A-Z][\w'’-]+)*")),
+}
+
+
+def answer_kind(question: str) -> str | None:
+    return next((kind for kind, (asks, _) in _KINDS.items() if asks.search(question)), None)
+
+
+def short_answer(question: str, sentence: str) -> str | None:
+    """The value of the kind the question asks for (a number, a date, a name) that the sentence holds and the
+    question does not, nearest the question's words in the sentence; None when there is none."""
+    kind = answer_kind(question)
+    if kind is None:
+        return None
+    asked = {w.lower() for w in _TOKEN.findall(question)}
+    anchors = [m.start() for m in _TOKEN.finditer(sentence) if m.group().lower() in asked and len(m.group()) > 3]
+    found = []
+    for match in _KINDS[kind][1].finditer(sentence):
+        value = match.group().strip(" ,.;")
+        words = {w.lower() for w in _TOKEN.findall(value)}
+        if not value or words <= asked or (kind == "name" and match.start() == 0 and len(words) == 1):
+            continue
+        distance = min((abs(match.start() - a) for a in anchors), default=0)
+        found.append((distance, match.start(), value))
+    return min(found)[2] if found else None
+
+
+@dataclass
+class Candidate:
+    """A sentence that may answer, with the evidence for it."""
+    text: str
+    context: int  # its context's number
+    similarity: float = 0.0  # cosine to the question
+    coverage: float = 0.0  # lexical evidence, its context's heading included
+    context_similarity: float = 0.0
+    context_coverage: float = 0.0
+    score: float = 0.0
+
+    def features(self) -> list[float]:
+        return [self.similarity, self.coverage, self.context_similarity, self.context_coverage]
+
+
+def score_candidates(candidates: list[Candidate], sentence_vectors: np.ndarray,
+                     question_vector: np.ndarray) -> list[Candidate]:
+    """Each candidate scored (SENTENCE_WEIGHTS), best first."""
+    similarities = sentence_vectors @ question_vector if len(candidates) else []
+    for candidate, similarity in zip(candidates, similarities):
+        candidate.similarity = float(similarity)
+        candidate.score = float(np.dot(SENTENCE_WEIGHTS, candidate.features()))
+    return sorted(candidates, key=lambda c: -c.score)
+
+
+def numbers(text: str) -> set[str]:
+    return set(_DIGITS.findall(text))
+
+
+def support(claim_lexemes: set[str], claim: str, context_lexemes: set[str], context_text: str) -> float:
+    """How far a context says what a claim says: the share of the claim's lexemes it holds, and 0 when the claim
+    has a number the context lacks (a model's invented figure)."""
+    if numbers(claim) - numbers(context_text):
+        return 0.0
+    return len(claim_lexemes & context_lexemes) / len(claim_lexemes) if claim_lexemes else 0.0
