@@ -7,6 +7,10 @@ reused by later runs (--rebuild starts over). Reports load and HNSW build time, 
 and median/p95 latency of 200 hybrid queries (dense + BM25 + RRF, k=10, k_overfetch=20) for each kind of caller
 and filter in CALLERS from one client, and for a caller with groups from 4 concurrent clients, with their
 queries per second. Query embedding is not included (the vectors are synthetic).
+Also, per caller: the top 10's recall against exact search (no posting budget, no chunk-by-chunk shortcut), and
+the dense arm's recall against brute force (no HNSW index: every readable vector compared), which is what HNSW
+costs under a selective filter; and an as-of read inside the live history (a time at which every live chunk
+existed), which reads live postings as well as closed ones.
 Writes bench/results/search_latency_<sizes>.json.
 """
 
@@ -118,6 +122,26 @@ def recall_against_exact(url: str, settings, vectors: np.ndarray, queries: list[
         return round(found / max(total, 1), 4)
 
 
+def dense_recall_against_brute_force(url: str, settings, vectors: np.ndarray, queries: list[str],
+                                     filters_for) -> float:
+    """Share of the dense arm's top 10 (HNSW, iterative scans) that an exact scan of every readable vector under
+    the same filter also returns: the planner is kept off every index for the exact run."""
+    import pipelines.retrieval.search as search_module
+    from pipelines.storage.database import connect
+
+    with connect(dataclasses.replace(settings, database_url=url)) as conn:
+        found = total = 0
+        for i, query in enumerate(queries[:RECALL_QUERIES]):
+            options = dict(arm="dense", k_overfetch=20, filters=filters_for(i), vector=vectors[i], model_key=MODEL_KEY)
+            approximate = {h.chunk_id for h in search_module.search(conn, None, query, 10, **options)}
+            with conn.transaction():
+                conn.execute("SET LOCAL enable_indexscan = off")
+                conn.execute("SET LOCAL enable_bitmapscan = off")
+                exact = {h.chunk_id for h in search_module.search(conn, None, query, 10, **options)}
+            found, total = found + len(approximate & exact), total + len(exact)
+        return round(found / max(total, 1), 4)
+
+
 def summary(seconds: list[float]) -> dict:
     ms = sorted(t * 1000 for t in seconds)
     return {"median_ms": round(statistics.median(ms), 2), "p95_ms": round(ms[int(0.95 * len(ms)) - 1], 2)}
@@ -133,13 +157,18 @@ def measure(url: str, settings, size: int) -> dict:
         size_bytes = conn.execute("SELECT sum(pg_total_relation_size(c)) FROM unnest(ARRAY['chunks', 'lexical_postings',"
                                   " %s]::regclass[]) c", (table,)).fetchone()[0]
         facts["bytes_per_chunk"] = round(size_bytes / size)
+        live_since = conn.execute("SELECT max(valid_from) FROM chunks WHERE valid_to IS NULL").fetchone()[0]
     rng = np.random.default_rng(11)
     queries = [" ".join(words(rng, 4)) for _ in range(QUERIES)]
     vectors = unit_vectors(rng, QUERIES)
     latencies(url, settings, vectors[:20], queries[:20])  # warm caches
+    callers = {**CALLERS, "group hr + as-of inside the live history (every live chunk existed)":
+               lambda i: Filters(groups=["hr"], as_of=live_since)}
     single = {name: {**summary(latencies(url, settings, vectors, queries, filters_for)),
-                     "recall_vs_exact": recall_against_exact(url, settings, vectors, queries, filters_for)}
-              for name, filters_for in CALLERS.items()}
+                     "recall_vs_exact": recall_against_exact(url, settings, vectors, queries, filters_for),
+                     "dense_recall_vs_brute_force": dense_recall_against_brute_force(url, settings, vectors, queries,
+                                                                                    filters_for)}
+              for name, filters_for in callers.items()}
     started = time.perf_counter()
     with ThreadPoolExecutor(4) as pool:
         per_client = list(pool.map(lambda i: latencies(url, settings, np.roll(vectors, i, axis=0), queries[i:] + queries[:i]),
