@@ -101,7 +101,6 @@ class IngestRun:
         self.conn, self.settings, self.embedder = conn, settings, embedder
         self.source_ids, self.run_id, self.progress = source_ids, run_id, progress
         self.confirmed = confirmed
-        self.ran: list[str] = []
 
     @classmethod
     @contextmanager
@@ -148,8 +147,8 @@ class IngestRun:
         self._record(stage.name, report)
         return report
 
-    def run_all(self, stages: tuple[Stage, ...] = FLOW) -> "IngestSummary":
-        for stage in stages:
+    def run_all(self) -> "IngestSummary":
+        for stage in FLOW:
             self.run_stage(stage)
         return self.summary()
 
@@ -164,7 +163,6 @@ class IngestRun:
             raise GateFailed(gate)
 
     def _record(self, stage: str, report: StageReport) -> None:
-        self.ran.append(stage)
         self.conn.execute("UPDATE ingest_runs SET stages = stages || jsonb_build_object(%s::text, %s::jsonb)"
                           " WHERE run_id = %s", (stage, Jsonb(report.as_dict()), self.run_id))
 
