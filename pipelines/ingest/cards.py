@@ -141,24 +141,28 @@ def generators(settings: Settings) -> list:
     return [FaqCards()] + ([ChatCards(settings)] if settings.chat_model else [])
 
 
-# Live chunks (not cards) of the sources that have no card from this generator yet.
-PENDING = """
-WITH live AS (
-    SELECT c.chunk_id, c.document_id, c.text_hash, c.text, c.embed_text, c.section_path, c.page_number, c.ordinal,
-           d.title, d.metadata
-    FROM chunks c JOIN documents d USING (document_id)
-    WHERE c.valid_to IS NULL AND c.kind <> 'card' AND (%(ids)s::text[] IS NULL OR d.source_id = ANY(%(ids)s))
-), placed AS (
-    SELECT l.*, row_number() OVER (PARTITION BY document_id, section_path ORDER BY ordinal) = 1 AS first_in_section,
-           row_number() OVER (PARTITION BY document_id ORDER BY ordinal) = 1 AS first_in_document
-    FROM live l
-)
-SELECT chunk_id, document_id, text_hash, text, embed_text, section_path, page_number, title, metadata,
-       first_in_section, first_in_document
-FROM placed p
-WHERE NOT EXISTS (SELECT 1 FROM card_rounds r WHERE r.chunk_id = p.chunk_id AND r.generator = %(generator)s)
-ORDER BY chunk_id
-LIMIT %(limit)s
+# Live chunks (not cards) of the sources that have no card from this generator yet, after a chunk id: the stage
+# pages through them by key, so each batch reads its own rows and a first ingest stays linear in the chunks (a
+# window over every live chunk of the source, computed again for each batch, made it quadratic).
+PENDING_IDS = """
+SELECT c.chunk_id
+FROM chunks c JOIN documents d USING (document_id)
+WHERE c.valid_to IS NULL AND c.kind <> 'card' AND c.chunk_id > %(after)s
+  AND (%(ids)s::text[] IS NULL OR d.source_id = ANY(%(ids)s))
+  AND NOT EXISTS (SELECT 1 FROM card_rounds r WHERE r.chunk_id = c.chunk_id AND r.generator = %(generator)s)
+"""
+# A batch of them with what a generator needs, whether each opens its section or its document included.
+PENDING = f"""
+WITH batch AS ({PENDING_IDS} ORDER BY c.chunk_id LIMIT %(limit)s)
+SELECT c.chunk_id, c.document_id, c.text_hash, c.text, c.embed_text, c.section_path, c.page_number, d.title,
+       d.metadata,
+       NOT EXISTS (SELECT 1 FROM chunks o WHERE o.document_id = c.document_id AND o.valid_to IS NULL
+                   AND o.kind <> 'card' AND o.ordinal < c.ordinal
+                   AND o.section_path IS NOT DISTINCT FROM c.section_path) AS first_in_section,
+       NOT EXISTS (SELECT 1 FROM chunks o WHERE o.document_id = c.document_id AND o.valid_to IS NULL
+                   AND o.kind <> 'card' AND o.ordinal < c.ordinal) AS first_in_document
+FROM batch JOIN chunks c USING (chunk_id) JOIN documents d USING (document_id)
+ORDER BY c.chunk_id
 """
 
 CARD_COLUMNS = ("document_id", "ordinal", "kind", "text", "embed_text", "text_hash", "section_path", "page_number",
@@ -200,13 +204,15 @@ def generate_cards(conn: psycopg.Connection, settings: Settings, embedders: list
     report = StageReport("cards", ("chunks", "cards", "generated", "reused", "refused"))
     counter = embedders[0].counter
     chosen = generators(settings)
-    progress.total(sum(conn.execute(f"SELECT count(*) FROM ({PENDING}) p", {"ids": source_ids, "limit": None,
-                                                                           "generator": g.generator}).fetchone()[0]
+    progress.total(sum(conn.execute(f"SELECT count(*) FROM ({PENDING_IDS}) p", {"ids": source_ids, "after": 0,
+                                                                               "generator": g.generator}).fetchone()[0]
                        for g in chosen))
     for generator in chosen:
-        while rows := conn.execute(PENDING, {"ids": source_ids, "generator": generator.generator,
+        after = 0
+        while rows := conn.execute(PENDING, {"ids": source_ids, "generator": generator.generator, "after": after,
                                              "limit": batch_size}).fetchall():
             chunks = [SourceChunk(*row) for row in rows]
+            after = chunks[-1].chunk_id
             cached = dict(conn.execute("SELECT text_hash, cards FROM card_cache WHERE generator = %s AND text_hash = ANY(%s)",
                                        (generator.generator, [c.text_hash for c in chunks])).fetchall())
             todo = [c for c in chunks if c.text_hash not in cached]
