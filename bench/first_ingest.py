@@ -1,0 +1,129 @@
+"""A first ingest timed as the process a user runs, and each stage against what its library alone does with the
+same input (issue 21).
+
+    .venv/bin/python -m bench.first_ingest ../shared/datasets/scifact/corpus.jsonl --home /tmp/kb-bench-first
+
+1. `kb ingest CORPUS --source bench --json` in a fresh database, as a child process, timed as a whole (Python's
+   start, imports, the model's load and the Dagster record included). The embedded PostgreSQL server is started
+   before the clock (a deployment has it running; `initdb` is a one-off), and the exported ONNX model is cached
+   in --home, as after a user's first run (the export takes about 7 s once).
+2. Then, in this process, the libraries alone on the same input, read back from the database the run built:
+   - extract: reading the file and hashing each record's bytes with xxhash (what change detection must do);
+   - chunk: kb's chunker alone (spaCy sentences, the model's tokenizer) on the stored elements, no database;
+   - embed: the same embedder on the same texts (the live chunks' and cards' embed_text), no database;
+   - publish: COPY alone of the same chunk rows into a table with no index, trigger or generated column.
+   The ratio is the stage's time over the library's: what kb's plumbing (queries, transactions, postings, index
+   builds) costs on top. enrich and cards have no library to compare with (regular expressions over the text).
+
+Writes bench/results/first_ingest.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from bench.report import print_table, write_results
+
+LANGCHAIN_FULL_INGEST_S = 617.9  # issue 21's side-by-side run (LangChain index() + PGVectorStore), same machine
+
+
+def run_ingest(corpus: Path, env: dict) -> tuple[float, dict]:
+    kb = Path(sys.executable).with_name("kb")
+    started = time.perf_counter()
+    done = subprocess.run([str(kb), "ingest", str(corpus), "--source", "bench", "--json"], env=env,
+                          capture_output=True, text=True, check=True)
+    return time.perf_counter() - started, json.loads(done.stdout)
+
+
+def timed(fn) -> float:
+    started = time.perf_counter()
+    fn()
+    return time.perf_counter() - started
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("corpus", type=Path)
+    parser.add_argument("--home", type=Path, default=Path("/tmp/kb-bench-first"))
+    args = parser.parse_args()
+    corpus = args.corpus.resolve()
+    os.environ["KB_HOME"] = str(args.home)
+    if (args.home / "pgdata").exists():
+        sys.exit(f"Error: {args.home} already holds a knowledge base; give --home a fresh folder")
+    args.home.mkdir(parents=True, exist_ok=True)
+
+    from pipelines.ingest.chunker import Chunker
+    from pipelines.ingest.elements import load_elements
+    from pipelines.ingest.hashing import hash_bytes
+    from pipelines.ingest.publish import INSERT_COLUMNS
+    from pipelines.models.embedders import make_embedder
+    from pipelines.settings import load_settings
+    from pipelines.storage.database import connect
+
+    settings = load_settings()
+    embedder = make_embedder(settings)
+    embedder.embed(["warm the model: its export is cached before the clock"])
+    with connect(settings):  # the embedded server starts (and the schema is created) before the clock
+        pass
+
+    wall, summary = run_ingest(corpus, {**os.environ, "KB_HOME": str(args.home)})
+    stages = summary["elapsed_s"]
+    print(f"kb ingest: {wall:.1f} s wall, {summary['chunks_written']} chunks, {summary['embeddings_computed']} texts"
+          f" embedded; stages {stages}", flush=True)
+
+    with connect(settings) as conn:
+        documents = [row[0] for row in conn.execute("SELECT document_id FROM documents ORDER BY document_id")]
+        titles = dict(conn.execute("SELECT document_id, title FROM documents").fetchall())
+        texts = [row[0] for row in conn.execute("SELECT embed_text FROM chunks WHERE valid_to IS NULL ORDER BY chunk_id")]
+        columns = ", ".join(INSERT_COLUMNS)
+        rows = conn.execute(f"SELECT {columns} FROM chunks WHERE valid_to IS NULL AND kind <> 'card'").fetchall()
+
+        elements = load_elements(conn, documents)  # read before the clock: the chunker alone touches no database
+
+        def chunk_alone() -> None:
+            chunker = Chunker(embedder.counter)
+            for doc_id in documents:
+                chunker.chunk(elements[doc_id], titles[doc_id])
+
+        def copy_alone() -> None:
+            with conn.transaction():
+                conn.execute(f"CREATE TEMP TABLE bench_copy AS SELECT {columns} FROM chunks WITH NO DATA")
+                with conn.cursor().copy(f"COPY bench_copy ({columns}) FROM STDIN") as copy:
+                    for row in rows:
+                        copy.write_row(row)
+                conn.execute("DROP TABLE bench_copy")
+
+        def hash_alone() -> None:
+            with corpus.open("rb") as handle:
+                for line in handle:
+                    hash_bytes(line)
+
+        def embed_alone() -> None:
+            for start in range(0, len(texts), 256):
+                embedder.embed(texts[start:start + 256])
+
+        alone = {"extract": timed(hash_alone), "chunk": timed(chunk_alone), "publish": timed(copy_alone),
+                 "embed": timed(embed_alone)}
+    what = {"extract": "read + xxhash of each record", "chunk": "the chunker alone (spaCy, tokenizer)",
+            "embed": f"the embedder alone, {len(texts)} texts", "publish": f"COPY alone, {len(rows)} rows, no index"}
+    table = [{"stage": name, "kb_s": round(stages.get(name, 0.0), 2),
+              "alone_s": round(alone[name], 2) if name in alone else "-",
+              "ratio": f"{stages[name] / alone[name]:.2f}x" if name in alone and alone[name] else "-",
+              "library alone": what.get(name, "none")} for name in stages]
+    print_table(table, ["stage", "kb_s", "alone_s", "ratio", "library alone"])
+    print(f"\nprocess wall {wall:.1f} s; stages {sum(stages.values()):.1f} s; the rest (start, imports, model load,"
+          f" Dagster record) {wall - sum(stages.values()):.1f} s; against LangChain's {LANGCHAIN_FULL_INGEST_S} s:"
+          f" {wall / LANGCHAIN_FULL_INGEST_S:.2f}x")
+    write_results("first_ingest", {"corpus": str(corpus), "wall_s": round(wall, 2), "summary": summary,
+                                   "stages": table, "langchain_s": LANGCHAIN_FULL_INGEST_S,
+                                   "vs_langchain": round(wall / LANGCHAIN_FULL_INGEST_S, 3)})
+
+
+if __name__ == "__main__":
+    main()
