@@ -1,11 +1,17 @@
 """Peak memory of `kb ingest` as the corpus grows: it must stay flat (stream in batches, never hold the corpus).
 
     .venv/bin/python -m bench.memory --documents 10000 --documents 100000
+    .venv/bin/python -m bench.memory --real ../shared/datasets/scifact/corpus.jsonl --documents 1000 --documents 4000
 
-For each size, writes a synthetic JSONL corpus (documents of 150 Zipf-distributed words in 10 sentences) and runs `kb ingest` on it in a fresh KB_HOME-local database, as a child process whose peak
-RSS the kernel reports (wait4). Embeddings come from a local OpenAI-compatible server returning 384-d vectors
-(tests/fake_openai.py), so the run measures kb's own memory and finishes in minutes; the local model adds a
-constant (its weights), not a per-document cost. Writes bench/results/memory.json.
+For each size, runs `kb ingest` in a fresh database as a child process and samples the resident memory of its
+whole process tree (`kb ingest` and its parse workers, psutil, every 0.2 s): the peak of the sum, of the parent
+alone and of the largest worker. Two corpora:
+- default: a synthetic JSONL corpus (150 Zipf-distributed words in 10 sentences per document), embedded by a local
+  OpenAI-compatible server returning 384-d vectors (tests/fake_openai.py): kb's own memory, in minutes;
+- --real CORPUS: what a user meets: a folder of HTML, DOCX, PDF and Markdown files (a cycle of the four formats,
+  each holding 3 records of the BEIR corpus under headings) parsed by `unstructured` in kb's workers and embedded by
+  the default local model.
+Writes bench/results/memory.json (memory_real.json with --real).
 """
 
 from __future__ import annotations
@@ -15,6 +21,7 @@ import json
 import os
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -36,9 +43,54 @@ def write_corpus(path: Path, documents: int) -> None:
             out.write(json.dumps({"_id": f"doc-{n}", "title": f"Synthetic document {n}", "text": " ".join(sentences)}) + "\n")
 
 
+def write_folder(folder: Path, records: list[dict], documents: int) -> None:
+    """`documents` files cycling through the four formats, each 3 records under their titles as headings."""
+    from bench.parse_throughput import WRITERS
+
+    folder.mkdir(parents=True, exist_ok=True)
+    formats = list(WRITERS)
+    for n in range(documents):
+        group = [records[(3 * n + k) % len(records)] for k in range(3)]
+        fmt = formats[n % len(formats)]
+        WRITERS[fmt](folder / f"doc-{n:06d}.{fmt}", f"Collected abstracts {n}", [(r["title"], r["text"]) for r in group])
+
+
+def measure(command: list[str], env: dict) -> dict:
+    """Run the command; the peaks of its process tree's resident memory (MB), sampled every 0.2 s, and its output."""
+    import psutil
+
+    child = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, text=True)
+    peaks = {"tree": 0.0, "parent": 0.0, "largest_worker": 0.0}
+    done = threading.Event()
+
+    def sample() -> None:
+        process = psutil.Process(child.pid)
+        while not done.wait(0.2):
+            try:
+                parent = process.memory_info().rss
+                workers = [c.memory_info().rss for c in process.children(recursive=True)]
+            except psutil.Error:
+                continue
+            peaks["tree"] = max(peaks["tree"], (parent + sum(workers)) / 1e6)
+            peaks["parent"] = max(peaks["parent"], parent / 1e6)
+            peaks["largest_worker"] = max(peaks["largest_worker"], max(workers, default=0) / 1e6)
+
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
+    started = time.perf_counter()
+    output = child.stdout.read()
+    if child.wait() != 0:
+        raise SystemExit(f"kb ingest failed with status {child.returncode}")
+    done.set()
+    sampler.join()
+    return {"seconds": round(time.perf_counter() - started, 1), "output": output,
+            **{f"peak_{k}_mb": round(v, 1) for k, v in peaks.items()}}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--documents", type=int, action="append", required=True)
+    parser.add_argument("--real", type=Path, help="a BEIR corpus.jsonl whose records fill real files")
     parser.add_argument("--home", type=Path, default=Path("/tmp/kb-bench-memory"))
     args = parser.parse_args()
     from pipelines.settings import load_settings
@@ -47,33 +99,34 @@ def main() -> None:
     args.home.mkdir(parents=True, exist_ok=True)
     os.environ["KB_HOME"] = str(args.home)
     server = database_url(load_settings())  # the embedded server runs apart from the measured process
+    kb = str(Path(sys.executable).parent / "kb")
+    records = [json.loads(line) for line in args.real.read_text().splitlines()] if args.real else []
     rows = []
     with FakeOpenAI(dimensions=384) as fake:
         for documents in args.documents:
-            corpus = args.home / f"corpus-{documents}.jsonl"
-            write_corpus(corpus, documents)
-            dbname = f"kb_bench_memory_{documents}"
+            dbname = f"kb_bench_memory_{'real_' if args.real else ''}{documents}"
             with psycopg.connect(server, autocommit=True) as admin:
                 admin.execute(f"DROP DATABASE IF EXISTS {dbname} WITH (FORCE)")
                 admin.execute(f"CREATE DATABASE {dbname}")
-            env = {**os.environ, "DATABASE_URL": psycopg.conninfo.make_conninfo(server, dbname=dbname),
-                   "KB_EMBEDDER": "openai", "OPENAI_BASE_URL": fake.base_url, "OPENAI_API_KEY": "bench",
-                   "KB_OPENAI_MODEL": "fake-384"}
-            started = time.perf_counter()
-            child = subprocess.Popen([str(Path(sys.executable).parent / "kb"), "ingest", str(corpus), "--source",
-                                      "synthetic", "--json"], env=env, stdout=subprocess.PIPE, text=True)
-            output = child.stdout.read()
-            _, status, usage = os.wait4(child.pid, 0)
-            if status != 0:
-                raise SystemExit(f"kb ingest failed with status {status}")
-            counters = json.loads(output)
+            env = {**os.environ, "DATABASE_URL": psycopg.conninfo.make_conninfo(server, dbname=dbname)}
+            if args.real:
+                corpus = args.home / f"files-{documents}"
+                if not corpus.exists():
+                    write_folder(corpus, records, documents)
+            else:
+                corpus = args.home / f"corpus-{documents}.jsonl"
+                write_corpus(corpus, documents)
+                env.update({"KB_EMBEDDER": "openai", "OPENAI_BASE_URL": fake.base_url, "OPENAI_API_KEY": "bench",
+                            "KB_OPENAI_MODEL": "fake-384"})
+            run = measure([kb, "ingest", str(corpus), "--source", "bench", "--json"], env)
+            counters = json.loads(run.pop("output"))
             rows.append({"documents": documents, "chunks": counters["chunks_inserted"],
-                         "seconds": round(time.perf_counter() - started, 1),
-                         "peak_rss_mb": round(usage.ru_maxrss / 1024, 1)})
+                         "failed": counters["documents_failed"], **run})
             print(rows[-1], flush=True)
-    growth = rows[-1]["peak_rss_mb"] / rows[0]["peak_rss_mb"]
-    print(f"peak RSS grows {growth:.2f}x from {rows[0]['documents']:,} to {rows[-1]['documents']:,} documents")
-    write_results("memory", {"runs": rows, "growth": round(growth, 2)})
+    growth = rows[-1]["peak_tree_mb"] / rows[0]["peak_tree_mb"]
+    print(f"peak RSS of the process tree grows {growth:.2f}x from {rows[0]['documents']:,} to"
+          f" {rows[-1]['documents']:,} documents")
+    write_results("memory_real" if args.real else "memory", {"runs": rows, "growth": round(growth, 2)})
 
 
 if __name__ == "__main__":
