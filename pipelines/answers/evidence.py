@@ -29,8 +29,8 @@ from pipelines.retrieval.query_class import CODE_LIKE, READABLE_CHUNKS, code_sha
 # question's codes. ANSWER_AT is the operating point chosen on the calibration curve (bench/README.md): the highest
 # threshold that still answers about 88% of answerable questions, since off-topic questions were all refused at
 # any threshold there and the goal is to answer at least 85%.
-CONFIDENCE_WEIGHTS = (-5.55, 3.27, 4.54, 3.2)  # bias, dense, lexical, lexical of the dense top context
-ANSWER_AT = 0.4
+CONFIDENCE_WEIGHTS = (-7.01, 1.32, -2.56, 2.79, 1.33)  # bias, dense, lexical, lexical of the dense top, best sentence
+ANSWER_AT = 0.2
 # A sentence's score (a logit): its cosine to the question, its lexical evidence (with its heading), its context's
 # cosine and its context's lexical evidence. The negative weight on the context's cosine is what the fit found:
 # among sentences equally close to the question, the one that stands out from its paragraph is the answer.
@@ -89,9 +89,9 @@ def holds_code(text: str, code: str) -> bool:
     return _compact(code) in {_compact(t) for t in _TOKEN.findall(text)}
 
 
-def confidence(dense: float, lexical: float, lexical_of_dense_top: float) -> float:
-    bias, w_dense, w_lexical, w_top = CONFIDENCE_WEIGHTS
-    return 1 / (1 + math.exp(-(bias + w_dense * dense + w_lexical * lexical + w_top * lexical_of_dense_top)))
+def confidence(dense: float, lexical: float, lexical_of_dense_top: float, best_sentence: float) -> float:
+    bias, *weights = CONFIDENCE_WEIGHTS
+    return 1 / (1 + math.exp(-(bias + float(np.dot(weights, (dense, lexical, lexical_of_dense_top, best_sentence))))))
 
 
 def is_question_sentence(sentence: str) -> bool:
