@@ -1,13 +1,18 @@
 """Calibrate the answer layer's evidence (pipelines/answers/evidence.py) on an answer dataset folder
 (bench/squad_answers.py makes them from SQuAD 2.0): bench/README.md, "Answers on questions nobody here wrote".
 
-    KB_HOME=/tmp/kb-calibration python -m bench.answer_calibration /tmp/squad/calibration [--fit]
+    KB_HOME=/tmp/kb-calibration python -m bench.answer_calibration /tmp/squad/calibration [--fit] \
+        [--other-article complexity.json]
 
 For every question it retrieves as `kb ask` does and records the refusal features (the best context's cosine, its
-lexical evidence, the lexical evidence of the dense top context) and every candidate sentence's features, with
-whether the sentence holds a gold answer in a gold passage. Prints the refusal precision/recall curve of the
-current CONFIDENCE_WEIGHTS; with --fit, fits both logistic models (plain Newton steps, no extra dependency) and
-prints the weights and the curve they give, to be copied into evidence.py.
+lexical evidence, the lexical evidence of the dense top context, the best sentence's score under the current
+SENTENCE_WEIGHTS) and every candidate sentence's features, with whether the sentence holds a gold answer in a gold
+passage. Prints the curve of the current CONFIDENCE_WEIGHTS: at each threshold the share of answerable questions
+answered, citing a gold passage and holding the expected text, and the share refused of each kind of negative
+(--other-article names the questions about an article that is not ingested). With --fit, fits both logistic
+models (plain Newton steps, no extra dependency) and prints the weights, the curve they give and the curve of
+5-fold cross-validated fits, on which the operating point is chosen; the weights are to be copied into
+evidence.py (a refit of SENTENCE_WEIGHTS changes the best-sentence feature: collect again and refit).
 """
 
 from __future__ import annotations
@@ -23,8 +28,20 @@ import numpy as np
 
 def collect(dataset: Path) -> list[dict]:
     from pipelines.answers import evidence as ev
-    from pipelines.answers.answer import EXTRACT_CONTEXTS, _contexts, _read_contexts, code_holders, ranked_sentences, weigh
-    from pipelines.evaluation.evaluate import _ingest_corpus, _is_gold, holds_answer, load_answer_set
+    from pipelines.answers.answer import (
+        EXTRACT_CONTEXTS,
+        _contexts,
+        _read_contexts,
+        code_holders,
+        ranked_sentences,
+        weigh,
+    )
+    from pipelines.evaluation.evaluate import (
+        _ingest_corpus,
+        _is_gold,
+        holds_answer,
+        load_answer_set,
+    )
     from pipelines.retrieval.responses import query_embedder, retrieve
     from pipelines.retrieval.search import visible_sources
     from pipelines.settings import load_settings

@@ -3,8 +3,9 @@
 chunk before the answer is returned, and an honest "not found in the documents" with the closest sources.
 
 Whether to answer at all is decided before anything is written, from calibrated evidence (evidence.py): the
-contexts' cosine to the question, how much of the question's rare vocabulary they hold, and whether the context
-the dense arm likes best holds it too; a context holding every code the question asks about, verbatim, answers.
+contexts' cosine to the question, how much of the question's rare vocabulary they hold, whether the context the
+dense arm likes best holds it too, and how well their best sentence answers; a context holding every code the
+question asks about, verbatim, answers.
 Without a chat model kb answers extractively: a matching Q&A card answers with its answer; otherwise the best
 context sentence, scored by meaning and by the question's rare words with its section heading (never a sentence
 that is itself a question, and only from contexts holding the question's codes), with the short value (number,
@@ -96,8 +97,8 @@ def answer_question(conn: psycopg.Connection, settings: Settings, question: str,
     terms = ev.question_terms(conn, question, list(readable.values()))
     lexemes = _read_contexts(conn, contexts, terms)
     held = code_holders(contexts, query_class.identifiers, ev.question_codes(question))
-    ranked = ranked_sentences(embedder, question_vector, [c for c in contexts if c.n <= EXTRACT_CONTEXTS or c.n in held],
-                              terms, lexemes)
+    scope = [c for c in contexts if c.n <= EXTRACT_CONTEXTS or c.n in held]  # what may answer
+    ranked = ranked_sentences(embedder, question_vector, scope, terms, lexemes)
     found = weigh(contexts, query_class.identifiers, held, ranked)
     result = {"question": question, "mode": mode, "generator": f"chat:{settings.chat_model}" if client else "extractive",
               "confidence": found["confidence"], "exact_match": bool(found["code_held"]), "evidence": found,
