@@ -1,13 +1,18 @@
 """Calibrate the answer layer's evidence (pipelines/answers/evidence.py) on an answer dataset folder
 (bench/squad_answers.py makes them from SQuAD 2.0): bench/README.md, "Answers on questions nobody here wrote".
 
-    KB_HOME=/tmp/kb-calibration python -m bench.answer_calibration /tmp/squad/calibration [--fit]
+    KB_HOME=/tmp/kb-calibration python -m bench.answer_calibration /tmp/squad/calibration [--fit] \
+        [--other-article complexity.json]
 
 For every question it retrieves as `kb ask` does and records the refusal features (the best context's cosine, its
-lexical evidence, the lexical evidence of the dense top context) and every candidate sentence's features, with
-whether the sentence holds a gold answer in a gold passage. Prints the refusal precision/recall curve of the
-current CONFIDENCE_WEIGHTS; with --fit, fits both logistic models (plain Newton steps, no extra dependency) and
-prints the weights and the curve they give, to be copied into evidence.py.
+lexical evidence, the lexical evidence of the dense top context, the best sentence's score under the current
+SENTENCE_WEIGHTS) and every candidate sentence's features, with whether the sentence holds a gold answer in a gold
+passage. Prints the curve of the current CONFIDENCE_WEIGHTS: at each threshold the share of answerable questions
+answered, citing a gold passage and holding the expected text, and the share refused of each kind of negative
+(--other-article names the questions about an article that is not ingested). With --fit, fits both logistic
+models (plain Newton steps, no extra dependency) and prints the weights, the curve they give and the curve of
+5-fold cross-validated fits, on which the operating point is chosen; the weights are to be copied into
+evidence.py (a refit of SENTENCE_WEIGHTS changes the best-sentence feature: collect again and refit).
 """
 
 from __future__ import annotations
@@ -23,8 +28,20 @@ import numpy as np
 
 def collect(dataset: Path) -> list[dict]:
     from pipelines.answers import evidence as ev
-    from pipelines.answers.answer import EXTRACT_CONTEXTS, _contexts, _read_contexts, weigh
-    from pipelines.evaluation.evaluate import _ingest_corpus, _is_gold, holds_answer, load_answer_set
+    from pipelines.answers.answer import (
+        EXTRACT_CONTEXTS,
+        _contexts,
+        _read_contexts,
+        code_holders,
+        ranked_sentences,
+        weigh,
+    )
+    from pipelines.evaluation.evaluate import (
+        _ingest_corpus,
+        _is_gold,
+        holds_answer,
+        load_answer_set,
+    )
     from pipelines.retrieval.responses import query_embedder, retrieve
     from pipelines.retrieval.search import visible_sources
     from pipelines.settings import load_settings
@@ -45,17 +62,14 @@ def collect(dataset: Path) -> list[dict]:
             contexts = _contexts(conn, hits)
             terms = ev.question_terms(conn, case["question"], keys)
             lexemes = _read_contexts(conn, contexts, terms)
-            found = weigh(contexts, terms, query_class.identifiers, ev.question_codes(case["question"]))
-            candidates = [ev.Candidate(s, c.n, context_similarity=c.similarity or 0.0, context_coverage=c.coverage,
-                                       coverage=ev.coverage(terms, lexemes[s] | lexemes[c.section]))
-                          for c in contexts[:EXTRACT_CONTEXTS] for s in c.sentences]
-            if candidates:
-                ev.score_candidates(candidates, embedder.embed([c.text for c in candidates]),
-                                    embedder.embed([case["question"]])[0])
+            held = code_holders(contexts, query_class.identifiers, ev.question_codes(case["question"]))
+            candidates = ranked_sentences(embedder, embedder.embed([case["question"]])[0],
+                                          contexts[:EXTRACT_CONTEXTS], terms, lexemes)
+            found = weigh(contexts, query_class.identifiers, held, candidates)
             gold = {c.n for c in contexts if _is_gold(c.document, case["passages"])}
-            rows.append({"group": case["group"], "features": [found["dense"], found["lexical"],
-                                                              found["lexical_of_dense_top"]],
-                         "code_held": bool(found["code_held"]),
+            rows.append({"id": case["id"], "group": case["group"],
+                         "features": [found[f] for f in ("dense", "lexical", "lexical_of_dense_top", "best_sentence")],
+                         "code_held": bool(held),
                          "candidates": [{"features": c.features(), "gold_passage": c.context in gold,
                                          "gold": c.context in gold and holds_answer(c.text, case["answers"])}
                                         for c in candidates]})
@@ -74,20 +88,47 @@ def fit_logistic(x: np.ndarray, y: np.ndarray, ridge: float = 1e-3, steps: int =
     return w
 
 
-def curve(rows: list[dict], weights, negatives=("out_of_corpus",)) -> list[dict]:
-    """At each threshold: the share of answerable questions answered and of the negatives refused, and refusal
-    precision among answerable + negatives."""
-    score = lambda f: 1 / (1 + np.exp(-(weights[0] + np.dot(weights[1:], f))))  # noqa: E731
+def probabilities(rows: list[dict], weights) -> np.ndarray:
+    x = np.array([r["features"] for r in rows])
+    return 1 / (1 + np.exp(-(weights[0] + x @ np.asarray(weights[1:]))))
+
+
+def out_of_fold(rows: list[dict], folds: int = 5) -> np.ndarray:
+    """Each question's confidence from a model fitted without its fold (a fixed shuffle): how the fit does on
+    questions it has not seen, which is what the operating point is chosen on."""
+    order = np.random.default_rng(1).permutation(len(rows))
+    p = np.zeros(len(rows))
+    for fold in np.array_split(order, folds):
+        held = set(fold.tolist())
+        train = [r for n, r in enumerate(rows) if n not in held and r["group"] in ("answerable", "out_of_corpus")]
+        weights = fit_logistic(np.array([r["features"] for r in train]),
+                               np.array([r["group"] == "answerable" for r in train], dtype=float))
+        p[fold] = probabilities([rows[n] for n in fold], weights)
+    return p
+
+
+def curve(rows: list[dict], p: np.ndarray, sentence_weights, other: set[str]) -> list[dict]:
+    """At each threshold on confidences `p`: the share of answerable questions answered, answered citing a gold
+    passage (the best-scored sentence lies in one) and answered with the expected text; the share refused of the
+    out-of-corpus questions about another article (ids in `other`), of those about the left-out paragraphs of the
+    ingested articles, and of the unanswerable ones; and refusal precision among answerable + out-of-corpus."""
+    best = [max(r["candidates"], key=lambda c: float(np.dot(sentence_weights, c["features"])), default=None)
+            for r in rows]
+    kinds = [r["group"] if r["group"] != "out_of_corpus" else "other article" if r["id"] in other
+             else "left-out paragraph" for r in rows]
     out = []
-    for threshold in (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9):
-        answered = lambda r: r["code_held"] or score(r["features"]) >= threshold  # noqa: E731
-        pos = [r for r in rows if r["group"] == "answerable"]
-        neg = [r for r in rows if r["group"] in negatives]
-        refused_neg = sum(not answered(r) for r in neg)
-        refused_pos = sum(not answered(r) for r in pos)
-        out.append({"threshold": threshold, "answerable answered": round(1 - refused_pos / len(pos), 3),
-                    "refused (recall)": round(refused_neg / len(neg), 3),
-                    "refusal precision": round(refused_neg / max(refused_neg + refused_pos, 1), 3)})
+    for threshold in np.round(np.arange(0.05, 0.951, 0.05), 2):
+        answered = [r["code_held"] or q >= threshold for r, q in zip(rows, p)]
+        share = lambda kind, hit: round(float(np.mean([hit(a, b) for a, b, k in zip(answered, best, kinds)  # noqa
+                                                        if k == kind])), 3)
+        refused = sum(not a for a, r in zip(answered, rows) if r["group"] == "out_of_corpus")
+        wrongly = sum(not a for a, r in zip(answered, rows) if r["group"] == "answerable")
+        out.append({"threshold": float(threshold), "answerable answered": share("answerable", lambda a, b: a),
+                    "answerable cited": share("answerable", lambda a, b: a and b is not None and b["gold_passage"]),
+                    "answer holds the text": share("answerable", lambda a, b: a and b is not None and b["gold"]),
+                    **{f"{kind} refused": share(kind, lambda a, b: not a)
+                       for kind in ("other article", "left-out paragraph", "unanswerable")},
+                    "refusal precision": round(refused / max(refused + wrongly, 1), 3)})
     return out
 
 
@@ -113,6 +154,9 @@ def main() -> None:
     parser.add_argument("dataset", type=Path)
     parser.add_argument("--fit", action="store_true")
     parser.add_argument("--features", type=Path, help="Read (or write, when missing) the collected features here.")
+    parser.add_argument("--other-article", type=Path, action="append", default=[],
+                        help="A SQuAD-format file whose questions are the out-of-corpus kind about an article that is"
+                             " not ingested (the rest are about left-out paragraphs of ingested ones).")
     args = parser.parse_args()
     if args.features and args.features.exists():
         rows = json.loads(args.features.read_text())
@@ -120,7 +164,10 @@ def main() -> None:
         rows = collect(args.dataset)
         if args.features:
             args.features.write_text(json.dumps(rows))
+    other = {qa["id"] for path in args.other_article for article in json.loads(path.read_text())["data"]
+             for paragraph in article["paragraphs"] for qa in paragraph["qas"]}
     weights, sentence_weights = np.array(ev.CONFIDENCE_WEIGHTS), np.array(ev.SENTENCE_WEIGHTS)
+    report = {}
     if args.fit:
         pos_neg = [r for r in rows if r["group"] in ("answerable", "out_of_corpus")]
         weights = fit_logistic(np.array([r["features"] for r in pos_neg]),
@@ -130,9 +177,10 @@ def main() -> None:
                                         np.array([c["gold"] for c in candidates], dtype=float))[1:]
         print("CONFIDENCE_WEIGHTS =", tuple(round(float(w), 2) for w in weights))
         print("SENTENCE_WEIGHTS =", tuple(round(float(w), 2) for w in sentence_weights))
-    print(json.dumps({"out_of_corpus": curve(rows, weights),
-                      "out_of_corpus and unanswerable": curve(rows, weights, ("out_of_corpus", "unanswerable")),
-                      "sentence selection": selection(rows, sentence_weights)}, indent=1))
+        report["curve, cross-validated (5 folds)"] = curve(rows, out_of_fold(rows), sentence_weights, other)
+    report["curve"] = curve(rows, probabilities(rows, weights), sentence_weights, other)
+    report["sentence selection"] = selection(rows, sentence_weights)
+    print(json.dumps(report, indent=1))
 
 
 if __name__ == "__main__":

@@ -196,10 +196,11 @@ def test_kb_eval_scores_the_bundled_answer_set(samples_kb, settings, monkeypatch
     unanswerable_refused = [r for r in refused if r["group"] != "answerable"]
     assert report["refusals"]["recall"] == round(len(unanswerable_refused) / 12, 4)
     assert report["refusals"]["precision"] == round(len(unanswerable_refused) / len(refused), 4)
-    # The scripted model says NOT_FOUND when the words are not there; two of these twelve (sick days, the CEO) pass
-    # the calibrated evidence and share its words with a context, so the model answers them (0.9 before issue 19,
-    # whose threshold was fitted on these very questions).
-    assert report["refusals"]["recall"] >= 0.8
+    # The scripted model says NOT_FOUND when the words are not there; three of these twelve (sick days, the CEO, and
+    # a stillbirth's paid leave, whose confidence 0.36 passes the operating point chosen for citation recall on
+    # SQuAD, bench/README.md) pass the calibrated evidence and share its words with a context, so the model answers
+    # them (0.9 before issue 19, whose threshold was fitted on these very questions).
+    assert report["refusals"]["recall"] >= 0.75
     answerable = [r for r in rows if r["group"] == "answerable"]
     assert report["answers"]["answered"] == round(sum(not r["abstained"] for r in answerable) / 20, 4)
     assert all(c["status"] in ("VALID", "WEAK") for r in rows for c in r["citations"])  # every one checked, none INVALID

@@ -3,8 +3,9 @@
 chunk before the answer is returned, and an honest "not found in the documents" with the closest sources.
 
 Whether to answer at all is decided before anything is written, from calibrated evidence (evidence.py): the
-contexts' cosine to the question, how much of the question's rare vocabulary they hold, and whether the context
-the dense arm likes best holds it too; a context holding every code the question asks about, verbatim, answers.
+contexts' cosine to the question, how much of the question's rare vocabulary they hold, whether the context the
+dense arm likes best holds it too, and how well their best sentence answers; a context holding every code the
+question asks about, verbatim, answers.
 Without a chat model kb answers extractively: a matching Q&A card answers with its answer; otherwise the best
 context sentence, scored by meaning and by the question's rare words with its section heading (never a sentence
 that is itself a question, and only from contexts holding the question's codes), with the short value (number,
@@ -95,14 +96,17 @@ def answer_question(conn: psycopg.Connection, settings: Settings, question: str,
     readable = visible_sources(conn, filters.groups, filters.source_id)
     terms = ev.question_terms(conn, question, list(readable.values()))
     lexemes = _read_contexts(conn, contexts, terms)
-    found = weigh(contexts, terms, query_class.identifiers, ev.question_codes(question))
+    held = code_holders(contexts, query_class.identifiers, ev.question_codes(question))
+    scope = [c for c in contexts if c.n <= EXTRACT_CONTEXTS or c.n in held]  # what may answer
+    ranked = ranked_sentences(embedder, question_vector, scope, terms, lexemes)
+    found = weigh(contexts, query_class.identifiers, held, ranked)
     result = {"question": question, "mode": mode, "generator": f"chat:{settings.chat_model}" if client else "extractive",
               "confidence": found["confidence"], "exact_match": bool(found["code_held"]), "evidence": found,
               "short_answer": None, "contexts": [_shown(c) for c in contexts], "timings": timings}
     if not found["answers"]:
         return _abstain(result, contexts, found["why"])
     started = time.perf_counter()
-    pool = [c for c in contexts if c.n in found["code_held"]] or contexts[:EXTRACT_CONTEXTS]
+    pool = [c for c in contexts if c.n in held] or contexts[:EXTRACT_CONTEXTS]
     if client is not None:
         reply = complete(client, settings.chat_model, PROMPT.format(
             question=question, contexts="\n".join(f"[{c.n}] {c.label()} {c.text}" for c in contexts)))
@@ -112,7 +116,7 @@ def answer_question(conn: psycopg.Connection, settings: Settings, question: str,
         sentences, unsupported = _supported(conn, _cited_sentences(without_labels(reply), contexts), contexts,
                                              lexemes)
     else:
-        sentences, unsupported = _extract(embedder, question, question_vector, pool, terms, lexemes), []
+        sentences, unsupported = _extract(pool, ranked), []
         if sentences:
             result["short_answer"] = ev.short_answer(question, sentences[0][0])
     timings["generate_s"] = round(time.perf_counter() - started, 3)
@@ -132,25 +136,32 @@ def answer_question(conn: psycopg.Connection, settings: Settings, question: str,
     return result
 
 
-def weigh(contexts: list[Context], terms: dict[str, float], codes: list[str], asked: list[str]) -> dict:
-    """Whether the contexts answer the question, and the evidence for it (contexts' coverage already set). `codes`
-    are the question's rare codes (the query classifier's identifiers), `asked` every code-shaped token in it: the
-    code rule answers from the contexts that hold every one of them, whole, and hold at least CODE_COVERAGE of
-    the question's rare vocabulary (NR-9 held by a price list does not answer "the maximum payload of the NR-9")."""
+def code_holders(contexts: list[Context], codes: list[str], asked: list[str]) -> list[int]:
+    """The contexts the code rule answers from (their numbers). `codes` are the question's rare codes (the query
+    classifier's identifiers), `asked` every code-shaped token in it: a context that holds every one of them,
+    whole, and at least CODE_COVERAGE of the question's rare vocabulary (contexts' coverage already set; NR-9 held
+    by a price list does not answer "the maximum payload of the NR-9")."""
+    return [c.n for c in contexts if codes and c.coverage >= ev.CODE_COVERAGE
+            and all(ev.holds_code(f"{c.section} {c.text}", code) for code in {*codes, *asked})]
+
+
+def weigh(contexts: list[Context], codes: list[str], held: list[int], ranked: list[ev.Candidate]) -> dict:
+    """Whether the contexts answer the question, and the evidence for it (contexts' coverage already set): the
+    calibrated confidence (evidence.confidence) over the contexts and the best sentence of the first
+    EXTRACT_CONTEXTS of them (`ranked`, best first), or the code rule (`held`, from code_holders)."""
     dense = max((c.similarity for c in contexts if c.similarity is not None), default=0.0)
     top = max(contexts, key=lambda c: c.similarity if c.similarity is not None else -1.0, default=None)
     lexical = max((c.coverage for c in contexts), default=0.0)
     of_top = top.coverage if top else 0.0
-    held = [c.n for c in contexts if codes and c.coverage >= ev.CODE_COVERAGE
-            and all(ev.holds_code(f"{c.section} {c.text}", code) for code in {*codes, *asked})]
-    score = ev.confidence(dense, lexical, of_top)
+    best = next((c.score for c in ranked if c.context <= EXTRACT_CONTEXTS), 0.0)
+    score = ev.confidence(dense, lexical, of_top, best)
     answers = bool(contexts) and (bool(held) or score >= ev.ANSWER_AT)
     why = (f"the evidence that the documents answer this is too weak: confidence {score:.2f} < {ev.ANSWER_AT}"
            f" (closest context's similarity {dense:.2f}; the contexts hold {lexical:.0%} of the question's rare"
            " words)" + (f"; no context holds {', '.join(codes)} with the rest of the question" if codes else ""))
     return {"confidence": round(score, 4), "dense": round(dense, 4), "lexical": round(lexical, 4),
-            "lexical_of_dense_top": round(of_top, 4), "codes": codes, "code_held": held, "answers": answers,
-            "why": why if contexts else "nothing readable matches the question"}
+            "lexical_of_dense_top": round(of_top, 4), "best_sentence": round(best, 4), "codes": codes,
+            "code_held": held, "answers": answers, "why": why if contexts else "nothing readable matches the question"}
 
 
 def _shown(context: Context) -> dict:
@@ -219,19 +230,28 @@ def _compressed(embedder, question_vector: np.ndarray, contexts: list[Context]) 
     return contexts
 
 
-def _extract(embedder, question: str, question_vector: np.ndarray, pool: list[Context], terms: dict[str, float],
-             lexemes: dict[str, set[str]]) -> list[tuple[str, list[int]]]:
+def ranked_sentences(embedder, question_vector: np.ndarray, contexts: list[Context], terms: dict[str, float],
+                     lexemes: dict[str, set[str]]) -> list[ev.Candidate]:
+    """The contexts' sentences that may answer, scored (evidence.score_candidates), best first: the best one's
+    score is evidence for answering at all, and the answer is taken from them."""
+    candidates = [ev.Candidate(s, c.n, context_similarity=c.similarity or 0.0, context_coverage=c.coverage,
+                               coverage=ev.coverage(terms, lexemes[s] | lexemes[c.section]))
+                  for c in contexts for s in c.sentences]
+    if not candidates:
+        return []
+    return ev.score_candidates(candidates, embedder.embed([c.text for c in candidates]), question_vector)
+
+
+def _extract(pool: list[Context], ranked: list[ev.Candidate]) -> list[tuple[str, list[int]]]:
     """A Q&A card that matches the question answers with its answer. Otherwise the best-scored sentence of the
-    pool (evidence.score_candidates), and the next best of the same context when it scores nearly as well."""
+    pool, and the next best of the same context when it scores nearly as well."""
     card = pool[0] if pool and pool[0].card_answer and (pool[0].similarity or 0) >= ev.CARD_MATCH else None
     if card is not None:
         return [(card.card_answer, [card.n])]
-    candidates = [ev.Candidate(s, c.n, context_similarity=c.similarity or 0.0, context_coverage=c.coverage,
-                               coverage=ev.coverage(terms, lexemes[s] | lexemes[c.section]))
-                  for c in pool for s in c.sentences]
-    if not candidates:
+    numbers = {c.n for c in pool}
+    ranked = [c for c in ranked if c.context in numbers]
+    if not ranked:
         return []
-    ranked = ev.score_candidates(candidates, embedder.embed([c.text for c in candidates]), question_vector)
     best = ranked[0]
     chosen = [best] + [c for c in ranked[1:2] if c.context == best.context and c.score >= best.score - EXTRACT_MARGIN]
     return [(c.text, [c.context]) for c in chosen]
