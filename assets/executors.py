@@ -4,12 +4,17 @@
     execution: {config: {multiprocess: {max_concurrent: 2}}}   # a process per step on this machine
     execution: {config: {dask: {address: tcp://host:8786}}}    # any number of machines running `dask worker`
 
-A source's refresh is one step (the whole flow under one lock, assets/ingestion.py), so in process is the fastest
-way to run it and the default everywhere: the UI, schedules, sensors and backfills. The model backfill's 16 shards
+A source's refresh is one step (the whole flow under one lock, assets/ingestion.py), whose documents are parsed by
+the run's workers (`run_workers`): the step's local pool of KB_PARSE_WORKERS processes in process, max_concurrent
+processes under multiprocess, and the cluster's workers under dask (the step waits on one of them, seceded from its
+threads, so that worker parses too). In process is the default everywhere: the UI, schedules, sensors and
+backfills. The model backfill's 16 shards
 also run in process by default: a local model already uses every core of one process, and each extra process
 would load it again (bench/README.md). dask spreads them over machines that share the PostgreSQL-backed instance
 and kb's database (README, "Beyond one machine").
 """
+
+import os
 
 import dagster as dg
 from dagster._core.definitions.executor_definition import (
@@ -17,6 +22,9 @@ from dagster._core.definitions.executor_definition import (
     _core_multiprocess_executor_creation,
     multiple_process_executor_requirements,
 )
+
+from pipelines.ingest.workers import Workers
+from pipelines.settings import Settings
 
 IN_PROCESS = dg.Field(dg.Shape({}), is_required=False, description="Every step in the run's own process (default).")
 MULTIPROCESS = dg.Field({"max_concurrent": dg.Field(int, is_required=False, description="default: the cores")},
@@ -43,3 +51,13 @@ def kb_executor(init_context: dg.InitExecutorContext) -> dg.Executor:
     if kind == "multiprocess":
         return _core_multiprocess_executor_creation({"retries": {"enabled": {}}, **config})
     return _core_in_process_executor_creation({"retries": {"enabled": {}}, "step_dependency_config": None})
+
+
+def run_workers(run_config: dict, settings: Settings) -> Workers:
+    """The workers a run's executor has, as a refresh's parse stage uses them: the dask cluster it names, or as
+    many local processes as multiprocess may run at once (else KB_PARSE_WORKERS)."""
+    (kind, config), = (run_config.get("execution", {}).get("config") or {"in_process": {}}).items()
+    if kind == "dask":
+        address = config["address"]  # a StringSource: the address, or {"env": VARIABLE}
+        return Workers(dask=os.environ[address["env"]] if isinstance(address, dict) else address)
+    return Workers((config or {}).get("max_concurrent") or settings.parse_workers)

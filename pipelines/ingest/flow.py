@@ -45,7 +45,7 @@ def _extract(run: "IngestRun", progress: Progress) -> StageReport:
 def _parse(run: "IngestRun", progress: Progress) -> StageReport:
     from pipelines.ingest.parse import parse_pending
 
-    return parse_pending(run.conn, run.source_ids, progress=progress, workers=run.settings.parse_workers,
+    return parse_pending(run.conn, run.source_ids, progress=progress, workers=run.workers,
                          limits=run.settings.limits, retry_failed=run.confirmed.retry_failed)
 
 
