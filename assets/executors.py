@@ -45,12 +45,34 @@ def kb_executor(init_context: dg.InitExecutorContext) -> dg.Executor:
     """In process by default; multiprocess or dask when the run config asks for them."""
     (kind, config), = init_context.executor_config.items()
     if kind == "dask":
-        from dagster_dask.executor import DaskExecutor
-
-        return DaskExecutor("existing", {"address": config["address"]})
+        return _dask_executor(config["address"])
     if kind == "multiprocess":
         return _core_multiprocess_executor_creation({"retries": {"enabled": {}}, **config})
     return _core_in_process_executor_creation({"retries": {"enabled": {}}, "step_dependency_config": None})
+
+
+def _dask_executor(address: str) -> dg.Executor:
+    """dagster-dask's executor on an existing cluster, able to run a partition of a source. dask (2024.12 and later)
+    walks every tuple among a task's arguments looking for futures; dagster-dask passes the DagsterRun, and the run
+    of a dynamic partition (a source) carries a KeyRangesPartitionsSubset, a tuple that refuses iteration, so the
+    step failed before it was sent ("Iteration is not allowed on `@record` KeyRangesPartitionsSubset"). The step's
+    copy of the run leaves that subset out: Dagster resolves a key-range subset from the run's partition tags anyway
+    (DagsterRun.get_resolved_partitions_subset_for_events), which the copy keeps."""
+    import copy
+
+    from dagster._core.definitions.partitions.subset.key_ranges import KeyRangesPartitionsSubset
+    from dagster_dask.executor import DaskExecutor
+
+    class SourcePartitionDaskExecutor(DaskExecutor):
+        def execute(self, plan_context, execution_plan):
+            run = plan_context.dagster_run
+            if isinstance(run.partitions_subset, KeyRangesPartitionsSubset):
+                plan_context = copy.copy(plan_context)
+                plan_context._plan_data = plan_context.plan_data._replace(
+                    dagster_run=run._replace(partitions_subset=None))
+            return super().execute(plan_context, execution_plan)
+
+    return SourcePartitionDaskExecutor("existing", {"address": address})
 
 
 def run_workers(run_config: dict, settings: Settings) -> Workers:

@@ -81,7 +81,7 @@ def _start_worker(warm: Callable[[], None] | None) -> None:
         warm()
 
 
-_pool = None  # ((workers, warm), pebble.ProcessPool)
+_pool = None  # ((workers, warm), pebble.ProcessPool, the Event that ends its keeper thread)
 
 
 def _shared_pool(workers: int, warm: Callable[[], None] | None):
@@ -92,9 +92,28 @@ def _shared_pool(workers: int, warm: Callable[[], None] | None):
         _stop_pool()
     if _pool is None:
         context = multiprocessing.get_context("spawn")
-        _pool = ((workers, warm), pebble.ProcessPool(max_workers=workers, initializer=_start_worker,
-                                                     initargs=(warm,), context=context))
+        pool = pebble.ProcessPool(max_workers=workers, initializer=_start_worker, initargs=(warm,), context=context)
+        _pool = ((workers, warm), pool, _start_in_lasting_thread(pool))
     return _pool[1]
+
+
+def _start_in_lasting_thread(pool) -> threading.Event:
+    """Start the pool's first workers from a thread that lives as long as the pool; returns the Event that ends it.
+    PR_SET_PDEATHSIG fires when the *thread* that started a worker ends, and pebble starts its first workers in the
+    thread that schedules first (later ones in its own manager thread): a dask worker's task threads come and go,
+    and a worker started by one was killed with it ("All workers expired")."""
+    started, stop = threading.Event(), threading.Event()
+
+    def keep() -> None:
+        try:
+            pool.schedule(os.getpid)  # the first schedule starts the pool, here
+        finally:
+            started.set()
+        stop.wait()
+
+    threading.Thread(target=keep, name="kb-pool-keeper", daemon=True).start()
+    started.wait()
+    return stop
 
 
 @atexit.register
@@ -103,6 +122,7 @@ def _stop_pool() -> None:
     if _pool is not None:
         _pool[1].stop()
         _pool[1].join(timeout=10)
+        _pool[2].set()
         _pool = None
 
 
