@@ -162,7 +162,6 @@ def test_a_refresh_through_dagster_on_dask_parses_on_the_dask_workers_and_publis
 
     add_source(conn, declare("here", parse_heavy_folder(tmp_path / "here")), "tests")
     add_source(conn, declare("spread", parse_heavy_folder(tmp_path / "spread")), "tests")
-    ingest(conn, embedder, load_settings(), ["here"])  # in process, the local pool: the reference
     monkeypatch.setenv("DAGSTER_HOME", str(tmp_path / "dagster"))
     dagster_home(settings)
     address, worker_pids = dask_cluster(workers=2)
@@ -178,6 +177,12 @@ def test_a_refresh_through_dagster_on_dask_parses_on_the_dask_workers_and_publis
     parsed_by = {int(worker.rsplit(":", 1)[1]): count for worker, count in parse["notes"]["workers"].items()}
     assert set(parsed_by) == set(worker_pids), parsed_by  # both dask workers parsed, this machine's pool none
     assert sum(parsed_by.values()) == documents
+    embed = conn.execute("SELECT stages -> 'embed' FROM ingest_runs WHERE external_run_id = %s",
+                         (run["run_id"],)).fetchone()[0]
+    shards_by = {int(worker.rsplit(":", 1)[1]): count for worker, count in embed["notes"]["workers"].items()}
+    assert set(shards_by) <= set(worker_pids) and sum(shards_by.values()) == 16  # the 16 shards, on dask workers
+    assert embed["counts"]["computed"] == run["counters"]["embeddings_computed"] > 0
+    ingest(conn, embedder, load_settings(), ["here"])  # in process, the local pool: the reference
     assert live_chunks(conn, "spread") == live_chunks(conn, "here") != []  # what serves is the same
 
 

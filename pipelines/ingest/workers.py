@@ -208,10 +208,11 @@ def spread_map(fn: Callable, tasks: list, workers: Workers, timeout_s: float, me
                warm: Callable[[], None] | None = None, names: list[str] | None = None
                ) -> Iterator[tuple[str | None, Any]]:
     """(where, fn(task)) for each task, yielded in order, computed by `workers` (see the module's docstring), each
-    under the time and memory limits; `where` names the process that did it (None for a Lost task). `names` label
-    the tasks on a dask cluster (its dashboard, its logs), one per task."""
+    in an isolated process under the time and memory limits; `where` names the process that did it (None for a
+    Lost task). `names` label the tasks on a dask cluster (its dashboard, its logs), one per task."""
     if workers.dask:
-        yield from _dask_map(fn, tasks, workers.dask, timeout_s, memory_mb, warm, names or [""] * len(tasks))
+        isolated = [(fn, task, timeout_s, memory_mb, warm) for task in tasks]
+        yield from dask_map(_isolated_on_dask_worker, isolated, workers.dask, names or [""] * len(tasks))
         return
     count = max(1, min(workers.processes, len(tasks)))  # one changed file starts one worker, not a pool of idle ones
     for result in isolated_map(_located, [(fn, task) for task in tasks], count, timeout_s, memory_mb, warm):
@@ -241,14 +242,16 @@ def dask_client(address: str) -> Iterator:
         yield client
 
 
-def _dask_map(fn: Callable, tasks: list, address: str, timeout_s: float, memory_mb: float,
-              warm: Callable[[], None] | None, names: list[str]) -> Iterator[tuple[str | None, Any]]:
+def dask_map(fn: Callable, tasks: list, address: str, names: list[str]) -> Iterator[tuple[str | None, Any]]:
+    """(where, fn(task)) for each task, yielded in order, computed in the processes of the dask cluster's workers
+    (no limits of their own: for trusted work such as embedding, whose model a worker loads once); a task whose
+    workers died past allowed-failures is (None, Lost)."""
     from distributed import KilledWorker
 
     run = uuid.uuid4().hex[:8]  # task keys are unique per run: a rerun must not pick up an old run's results
     with dask_client(address) as client:
-        futures = [client.submit(_on_dask_worker, fn, task, timeout_s, memory_mb, warm, key=f"kb {name} {run}-{i}",
-                                 pure=False) for i, (task, name) in enumerate(zip(tasks, names))]
+        futures = [client.submit(_located, (fn, task), key=f"kb {name} {run}-{i}", pure=False)
+                   for i, (task, name) in enumerate(zip(tasks, names))]
         try:
             for future in futures:
                 try:
@@ -260,11 +263,11 @@ def _dask_map(fn: Callable, tasks: list, address: str, timeout_s: float, memory_
             client.cancel(futures)
 
 
-def _on_dask_worker(fn: Callable, task: Any, timeout_s: float, memory_mb: float,
-                    warm: Callable[[], None] | None) -> tuple[str, Any]:
-    """A dask task: fn(task) in this dask worker's own pool of isolated processes (one per worker thread), under the
-    same limits as on the caller's machine. Named after the dask worker, which is what an operator sees."""
+def _isolated_on_dask_worker(call: tuple) -> Any:
+    """fn(task) in this dask worker's own pool of isolated processes (one per worker thread), under the same limits
+    as on the caller's machine."""
     from distributed import get_worker
 
+    fn, task, timeout_s, memory_mb, warm = call
     result, = isolated_map(fn, [task], get_worker().state.nthreads, timeout_s, memory_mb, warm)
-    return where(), result
+    return result
