@@ -222,3 +222,16 @@ def test_kb_ingest_with_a_dask_scheduler_that_does_not_answer_is_one_error_line(
                          text=True, env=os.environ.copy(), timeout=300)
     assert out.returncode == 2, out.stdout + out.stderr
     assert out.stderr.strip().splitlines()[-1].startswith(f"Error: the dask scheduler at {address} does not answer")
+
+
+def test_a_refresh_parses_with_the_workers_its_executor_has(settings):
+    from assets.executors import run_workers
+    from pipelines.ingest.workers import Workers
+
+    def workers(execution: dict | None) -> Workers:
+        return run_workers({"execution": {"config": execution}} if execution else {}, settings)
+
+    assert workers(None) == workers({"in_process": {}}) == Workers(settings.parse_workers)
+    assert workers({"multiprocess": {"max_concurrent": 3}}) == Workers(3)
+    assert workers({"multiprocess": {}}) == Workers(settings.parse_workers)
+    assert workers({"dask": {"address": "tcp://10.0.0.5:8786"}}) == Workers(dask="tcp://10.0.0.5:8786")

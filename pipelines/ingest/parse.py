@@ -7,8 +7,9 @@ file expands to, so that one hostile file costs that file and never the run. The
 file once, below the source root and without following links (pipelines/sources/files.py), checks that the bytes
 are the ones the crawl hashed, and ships those bytes to a worker: a local process, or a dask worker on another
 machine (`kb ingest --dask`, a Dagster run on the dask executor) that needs no access to the source's mount, and
-"no file outside a source is read" is enforced in one place. Plain text is split into paragraphs by kb itself, in linear time and
-memory (unstructured's text partitioner tokenizes every paragraph: a 229 KB one-paragraph file took 1.3 GB).
+"no file outside a source is read" is enforced in one place. Plain text is split into paragraphs by kb itself,
+in linear time and memory (unstructured's text partitioner tokenizes every paragraph: a 229 KB one-paragraph file
+took 1.3 GB).
 
 A file that failed to parse is not parsed again while its bytes are unchanged: the failure is reported from the
 record (`failures`), until the file changes or the run is asked to retry (`kb ingest --retry-failed`).
@@ -249,7 +250,8 @@ def parse_pending(conn: psycopg.Connection, source_ids: list[str] | None = None,
     parsed_by: Counter[str] = Counter()
     for start in range(0, len(pending), batch_size):
         parsed, failed, sent, tasks = [], [], [], []
-        for doc_id, locator, doc_format, content_hash, root, source_id, allow, known_root in pending[start:start + batch_size]:
+        batch = pending[start:start + batch_size]
+        for doc_id, locator, doc_format, content_hash, root, source_id, allow, known_root in batch:
             data = _read(root, known_root, locator, allow, content_hash, limits)
             if isinstance(data, str):
                 failed.append((Failure(source_id, locator, STAGE, f"{Path(root) / locator}: {data}"), content_hash))
@@ -257,8 +259,9 @@ def parse_pending(conn: psycopg.Connection, source_ids: list[str] | None = None,
                 continue
             sent.append((doc_id, locator, content_hash, root, source_id))
             tasks.append((data, locator, doc_format, limits))
+        names = [f"parse {source_id}:{locator}" for _, locator, _, _, source_id in sent]
         results = spread_map(_parse_task, tasks, workers, limits.parse_timeout_s, limits.parse_memory_mb,
-                             warm_worker, names=[f"parse {source_id}:{locator}" for _, locator, _, _, source_id in sent])
+                             warm_worker, names)
         for (doc_id, locator, content_hash, root, source_id), (worker, result) in zip(sent, results):
             if worker is not None:
                 parsed_by[worker] += 1
