@@ -23,6 +23,7 @@ import os
 import re
 import zipfile
 from collections import Counter
+from dataclasses import replace
 from functools import lru_cache
 from pathlib import Path
 
@@ -247,6 +248,8 @@ def parse_pending(conn: psycopg.Connection, source_ids: list[str] | None = None,
         root = str(resolve_declared(location, declared_in))
         pending.append((doc_id, locator, doc_format, content_hash, root, source_id, allow, known_root))
     progress.total(len(pending))
+    if not workers.dask:  # one changed file starts one worker, not a pool of idle ones
+        workers = replace(workers, processes=max(1, min(workers.processes, len(pending))))
     parsed_by: Counter[str] = Counter()
     for start in range(0, len(pending), batch_size):
         parsed, failed, sent, tasks = [], [], [], []

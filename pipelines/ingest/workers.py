@@ -214,8 +214,7 @@ def spread_map(fn: Callable, tasks: list, workers: Workers, timeout_s: float, me
         isolated = [(fn, task, timeout_s, memory_mb, warm) for task in tasks]
         yield from dask_map(_isolated_on_dask_worker, isolated, workers.dask, names or [""] * len(tasks))
         return
-    count = max(1, min(workers.processes, len(tasks)))  # one changed file starts one worker, not a pool of idle ones
-    for result in isolated_map(_located, [(fn, task) for task in tasks], count, timeout_s, memory_mb, warm):
+    for result in isolated_map(_located, [(fn, task) for task in tasks], workers.processes, timeout_s, memory_mb, warm):
         yield (None, result) if isinstance(result, Lost) else result
 
 
