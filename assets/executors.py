@@ -4,12 +4,17 @@
     execution: {config: {multiprocess: {max_concurrent: 2}}}   # a process per step on this machine
     execution: {config: {dask: {address: tcp://host:8786}}}    # any number of machines running `dask worker`
 
-A source's refresh is one step (the whole flow under one lock, assets/ingestion.py), so in process is the fastest
-way to run it and the default everywhere: the UI, schedules, sensors and backfills. The model backfill's 16 shards
+A source's refresh is one step (the whole flow under one lock, assets/ingestion.py), whose documents are parsed by
+the run's workers (`run_workers`): the step's local pool of KB_PARSE_WORKERS processes in process, max_concurrent
+processes under multiprocess, and the cluster's workers under dask (the step waits on one of them, seceded from its
+threads, so that worker parses too). In process is the default everywhere: the UI, schedules, sensors and
+backfills. The model backfill's 16 shards
 also run in process by default: a local model already uses every core of one process, and each extra process
 would load it again (bench/README.md). dask spreads them over machines that share the PostgreSQL-backed instance
 and kb's database (README, "Beyond one machine").
 """
+
+import os
 
 import dagster as dg
 from dagster._core.definitions.executor_definition import (
@@ -17,6 +22,9 @@ from dagster._core.definitions.executor_definition import (
     _core_multiprocess_executor_creation,
     multiple_process_executor_requirements,
 )
+
+from pipelines.ingest.workers import Workers
+from pipelines.settings import Settings
 
 IN_PROCESS = dg.Field(dg.Shape({}), is_required=False, description="Every step in the run's own process (default).")
 MULTIPROCESS = dg.Field({"max_concurrent": dg.Field(int, is_required=False, description="default: the cores")},
@@ -37,9 +45,41 @@ def kb_executor(init_context: dg.InitExecutorContext) -> dg.Executor:
     """In process by default; multiprocess or dask when the run config asks for them."""
     (kind, config), = init_context.executor_config.items()
     if kind == "dask":
-        from dagster_dask.executor import DaskExecutor
-
-        return DaskExecutor("existing", {"address": config["address"]})
+        return _dask_executor(config["address"])
     if kind == "multiprocess":
         return _core_multiprocess_executor_creation({"retries": {"enabled": {}}, **config})
     return _core_in_process_executor_creation({"retries": {"enabled": {}}, "step_dependency_config": None})
+
+
+def _dask_executor(address: str) -> dg.Executor:
+    """dagster-dask's executor on an existing cluster, able to run a partition of a source. dask (2024.12 and later)
+    walks every tuple among a task's arguments looking for futures; dagster-dask passes the DagsterRun, and the run
+    of a dynamic partition (a source) carries a KeyRangesPartitionsSubset, a tuple that refuses iteration, so the
+    step failed before it was sent ("Iteration is not allowed on `@record` KeyRangesPartitionsSubset"). The step's
+    copy of the run leaves that subset out: Dagster resolves a key-range subset from the run's partition tags anyway
+    (DagsterRun.get_resolved_partitions_subset_for_events), which the copy keeps."""
+    import copy
+
+    from dagster._core.definitions.partitions.subset.key_ranges import KeyRangesPartitionsSubset
+    from dagster_dask.executor import DaskExecutor
+
+    class SourcePartitionDaskExecutor(DaskExecutor):
+        def execute(self, plan_context, execution_plan):
+            run = plan_context.dagster_run
+            if isinstance(run.partitions_subset, KeyRangesPartitionsSubset):
+                plan_context = copy.copy(plan_context)
+                plan_context._plan_data = plan_context.plan_data._replace(
+                    dagster_run=run._replace(partitions_subset=None))
+            return super().execute(plan_context, execution_plan)
+
+    return SourcePartitionDaskExecutor("existing", {"address": address})
+
+
+def run_workers(run_config: dict, settings: Settings) -> Workers:
+    """The workers a run's executor has, as a refresh's parse stage uses them: the dask cluster it names, or as
+    many local processes as multiprocess may run at once (else KB_PARSE_WORKERS)."""
+    (kind, config), = (run_config.get("execution", {}).get("config") or {"in_process": {}}).items()
+    if kind == "dask":
+        address = config["address"]  # a StringSource: the address, or {"env": VARIABLE}
+        return Workers(dask=os.environ[address["env"]] if isinstance(address, dict) else address)
+    return Workers((config or {}).get("max_concurrent") or settings.parse_workers)

@@ -15,10 +15,10 @@ import dagster as dg
 
 from assets.ingestion import OWNERS, PUBLISHED, table
 from assets.resources import KnowledgeBase
+from pipelines.ingest.embed import SHARDS
 from pipelines.ingest.flow import FLOW
 
 MAINTENANCE = "maintenance"
-SHARDS = list("0123456789abcdef")
 
 
 def _shard_op(shard: str) -> dg.OpDefinition:

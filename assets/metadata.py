@@ -32,6 +32,8 @@ def stage_metadata(conn: psycopg.Connection, stage: Stage, report: StageReport, 
     held = sum(conn.execute(stage.holds, {"id": source_id}).fetchone()[0] for source_id in source_ids)
     metadata = {**report_metadata(report), "dagster/row_count": dg.MetadataValue.int(held),
                 "sources": dg.MetadataValue.text(", ".join(source_ids))}
+    if report.notes.get("workers"):  # the parse stage: documents each worker parsed
+        metadata["workers"] = dg.MetadataValue.json(report.notes["workers"])
     if stage.name == "embed":
         metadata["model"] = dg.MetadataValue.text(embedder.model_key)
     if stage.gated:

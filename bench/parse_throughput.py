@@ -4,8 +4,8 @@
 
 Writes the same documents as PDF, HTML, DOCX and Markdown: each one 6 SciFact abstracts under their titles as
 headings (about 1,300 words, 3-4 PDF pages). Times `parse_file` (unstructured, as kb runs it) per format in this
-process, then parses all of them through kb's worker pool (`isolated_map`) with 1 and with N workers (worker
-start-up included).
+process, then parses all of them through kb's worker pool (`isolated_map`, the bytes shipped to the workers as the
+parse stage does) with 1 and with N workers (worker start-up included).
 Writes bench/results/parse_throughput.json.
 """
 
@@ -92,7 +92,7 @@ def main() -> None:
             rows.append({"format": fmt, "documents": len(items), "mb": round(megabytes, 2),
                          "elements_per_doc": round(elements / len(items), 1),
                          "docs_per_s": round(len(items) / seconds, 1), "mb_per_s": round(megabytes / seconds, 2)})
-        everything = [(str(Path(p).parent), Path(p).name, False, f, Limits()) for items in tasks.values() for p, f in items]
+        everything = [(Path(p).read_bytes(), Path(p).name, f, Limits()) for items in tasks.values() for p, f in items]
         pool = {}
         for workers in (1, args.workers):
             _stop_pool()  # each measurement starts its own workers

@@ -213,6 +213,11 @@ def main(verbose: bool) -> None:
     A mistake is one `Error:` line and exit 2; --verbose shows the traceback."""
 
 
+def dask_option(help_text: str):
+    """--dask ADDRESS, also read from KB_DASK_SCHEDULER: one deployment's cluster for every command that uses one."""
+    return click.option("--dask", metavar="ADDRESS", envvar="KB_DASK_SCHEDULER", help=help_text)
+
+
 @main.command()
 @click.argument("paths", nargs=-1, type=click.Path(exists=True))
 @click.option("--source", "source_name",
@@ -230,8 +235,10 @@ def main(verbose: bool) -> None:
                    " root that is not the folder it crawled before.")
 @click.option("--retry-failed", is_flag=True,
               help="Parse again the files whose unchanged bytes failed before (otherwise reported, not retried).")
+@dask_option("Parse the documents on this dask scheduler's workers (tcp://host:8786), which need no access to"
+             " the files: this process reads them and holds the lock; default: KB_PARSE_WORKERS local processes.")
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable summary.")
-def ingest(paths, source_name, include, exclude, groups, allow_deletions, accept_new_root, retry_failed,
+def ingest(paths, source_name, include, exclude, groups, allow_deletions, accept_new_root, retry_failed, dask,
            as_json) -> None:
     """Ingest declared sources: all of them, the one named by --source, or the folders and JSONL files given.
 
@@ -245,6 +252,7 @@ def ingest(paths, source_name, include, exclude, groups, allow_deletions, accept
         Confirmations,
         IngestRun,
     )
+    from pipelines.ingest.workers import Workers, WorkersUnavailable
     from pipelines.models.embedders import make_embedder
     from pipelines.sources.declarations import (
         actor,
@@ -284,8 +292,10 @@ def ingest(paths, source_name, include, exclude, groups, allow_deletions, accept
         try:
             confirmed = Confirmations(allow_deletions, accept_new_root, retry_failed)
             with IngestRun.open(conn, settings, embedder, source_ids, progress=_progress_factory(not as_json),
-                                confirmed=confirmed) as run:
+                                confirmed=confirmed, workers=Workers(settings.parse_workers, dask)) as run:
                 summary = run.run_all()
+        except WorkersUnavailable as unavailable:
+            raise UserError(str(unavailable)) from None
         except GateFailed as failed:
             _record_in_dagster(conn, settings, run, embedder)
             _emit({"error": str(failed), "gate": failed.gate}, as_json, f"not published: {failed}")
@@ -998,8 +1008,7 @@ def _executor_config(dask: str | None) -> dict:
     return {"execution": {"config": {"dask": {"address": dask}}}} if dask else {}
 
 
-DASK = click.option("--dask", metavar="ADDRESS", envvar="KB_DASK_SCHEDULER",
-                    help="Run the steps on this dask scheduler's workers (tcp://host:8786; default in process).")
+DASK = dask_option("Run the steps on this dask scheduler's workers (tcp://host:8786; default in process).")
 
 
 @dagster_group.command("ingest")

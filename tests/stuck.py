@@ -7,6 +7,6 @@ from pipelines.ingest.parse import _parse_task
 
 
 def parse_unless_stuck(task: tuple):
-    if task[2] == "handbook/leave-policy.md":  # (root, its identity, locator, ...)
+    if task[1] == "handbook/leave-policy.md":  # (its bytes, locator, format, limits)
         threading.Event().wait()
     return _parse_task(task)

@@ -127,3 +127,111 @@ def test_a_worker_killed_mid_backfill_loses_nothing_and_the_backfill_completes(c
     live = conn.execute("SELECT count(DISTINCT text_hash) FROM chunks WHERE valid_to IS NULL").fetchone()[0]
     assert conn.execute(f'SELECT count(*) FROM "{table}"').fetchone()[0] == live  # one vector per live text
     assert active_model(conn) == TorchEmbedder.model_key
+
+
+def parse_heavy_folder(folder: Path, pages: int = 16) -> Path:
+    """The sample documents (PDF, DOCX, PPTX, XLSX, HTML...) and `pages` generated HTML pages."""
+    import shutil
+
+    shutil.copytree(SAMPLES_DIR / "docs", folder)
+    for i in range(pages):
+        sections = "".join(f"<h2>Procedure {i}.{j}</h2><p>Step {j} of maintenance plan {i}: check valve {i * 7 + j},"
+                           f" record the pressure and sign the log sheet {i}-{j}.</p>" for j in range(6))
+        (folder / f"plan-{i:02d}.html").write_text(f"<html><body><h1>Maintenance plan {i}</h1>{sections}</body></html>")
+    return folder
+
+
+def files_of(folder: Path) -> set[str]:
+    return {str(path.relative_to(folder)) for path in folder.rglob("*") if path.is_file()}
+
+
+def live_chunks(conn, source_id: str) -> list[tuple]:
+    return conn.execute("SELECT d.locator, c.ordinal, c.kind, c.text, c.section_path FROM chunks c"
+                        " JOIN documents d USING (document_id) WHERE d.source_id = %s AND c.valid_to IS NULL"
+                        " ORDER BY 1, 2", (source_id,)).fetchall()
+
+
+def parse_notes(conn, where: str, value: str) -> dict:
+    return conn.execute(f"SELECT stages -> 'parse' FROM ingest_runs WHERE {where} = %s ORDER BY run_id DESC LIMIT 1",
+                        (value,)).fetchone()[0]
+
+
+def test_a_refresh_through_dagster_on_dask_parses_on_the_dask_workers_and_publishes_the_same_chunks(
+        conn, embedder, settings, dask_cluster, tmp_path, monkeypatch):
+    from assets.instance import dagster_home
+
+    add_source(conn, declare("here", parse_heavy_folder(tmp_path / "here")), "tests")
+    add_source(conn, declare("spread", parse_heavy_folder(tmp_path / "spread")), "tests")
+    monkeypatch.setenv("DAGSTER_HOME", str(tmp_path / "dagster"))
+    dagster_home(settings)
+    address, worker_pids = dask_cluster(workers=2)
+
+    out = subprocess.run([str(BIN / "kb"), "dagster", "ingest", "spread", "--dask", address, "--json"],
+                         capture_output=True, text=True, env=os.environ.copy(), timeout=900)
+    assert out.returncode == 0, out.stdout + out.stderr[-3000:]
+    run = json.loads(out.stdout)["spread"]
+    assert run["success"] and run["counters"]["documents_failed"] == 0, run
+    parse = parse_notes(conn, "external_run_id", run["run_id"])
+    documents = len(files_of(tmp_path / "spread"))
+    assert parse["counts"]["parsed"] == documents == 25
+    parsed_by = {int(worker.rsplit(":", 1)[1]): count for worker, count in parse["notes"]["workers"].items()}
+    assert set(parsed_by) == set(worker_pids), parsed_by  # both dask workers parsed, this machine's pool none
+    assert sum(parsed_by.values()) == documents
+    embed = conn.execute("SELECT stages -> 'embed' FROM ingest_runs WHERE external_run_id = %s",
+                         (run["run_id"],)).fetchone()[0]
+    shards_by = {int(worker.rsplit(":", 1)[1]): count for worker, count in embed["notes"]["workers"].items()}
+    assert set(shards_by) <= set(worker_pids) and sum(shards_by.values()) == 16  # the 16 shards, on dask workers
+    assert embed["counts"]["computed"] == run["counters"]["embeddings_computed"] > 0
+    ingest(conn, embedder, load_settings(), ["here"])  # in process, the local pool: the reference
+    assert live_chunks(conn, "spread") == live_chunks(conn, "here") != []  # what serves is the same
+
+
+def test_a_dask_worker_killed_mid_refresh_loses_no_document(conn, embedder, settings, dask_cluster, tmp_path,
+                                                            monkeypatch):
+    """`kb ingest --dask`: the worker that starts parsing plan-07.html kills itself (a preload hook, so the kill
+    lands mid-refresh whatever the timing); dask hands that file to the other worker and the refresh publishes
+    every document."""
+    folder = parse_heavy_folder(tmp_path / "docs")
+    add_source(conn, declare("docs", folder), "tests")
+    monkeypatch.setenv("DASK_DISTRIBUTED__WORKER__PRELOAD", json.dumps([str(Path(__file__).parent / "kill_once.py")]))
+    monkeypatch.setenv("KB_TEST_KILL_ON", "docs:plan-07.html")
+    monkeypatch.setenv("KB_TEST_KILL_MARKER", str(tmp_path / "killed"))
+    address, worker_pids = dask_cluster(workers=2)
+
+    out = subprocess.run([str(BIN / "kb"), "ingest", "--source", "docs", "--dask", address, "--json"],
+                         capture_output=True, text=True, env=os.environ.copy(), timeout=900)
+    assert out.returncode == 0, out.stdout + out.stderr[-3000:]
+    assert (tmp_path / "killed").exists()  # the hook fired: one worker died while it parsed plan-07.html
+    dead = [pid for pid in worker_pids if not Path(f"/proc/{pid}").exists()
+            or Path(f"/proc/{pid}/stat").read_text().split()[2] == "Z"]
+    assert len(dead) == 1, worker_pids
+    summary = json.loads(out.stdout)
+    assert summary["errors"] == [] and summary["documents_published"] == 25, summary
+    parsed_by = parse_notes(conn, "started_by", "cli")["notes"]["workers"]
+    assert sum(parsed_by.values()) == 25 and {int(w.rsplit(":", 1)[1]) for w in parsed_by} <= set(worker_pids)
+    assert {row[0] for row in live_chunks(conn, "docs")} == files_of(folder)
+
+
+def test_kb_ingest_with_a_dask_scheduler_that_does_not_answer_is_one_error_line(conn, settings, tmp_path,
+                                                                                monkeypatch):
+    folder = parse_heavy_folder(tmp_path / "docs", pages=1)
+    add_source(conn, declare("docs", folder), "tests")
+    monkeypatch.setenv("DASK_DISTRIBUTED__COMM__TIMEOUTS__CONNECT", "2s")
+    address = f"tcp://127.0.0.1:{free_port()}"  # nothing listens there
+    out = subprocess.run([str(BIN / "kb"), "ingest", "--source", "docs", "--dask", address], capture_output=True,
+                         text=True, env=os.environ.copy(), timeout=300)
+    assert out.returncode == 2, out.stdout + out.stderr
+    assert out.stderr.strip().splitlines()[-1].startswith(f"Error: the dask scheduler at {address} does not answer")
+
+
+def test_a_refresh_parses_with_the_workers_its_executor_has(settings):
+    from assets.executors import run_workers
+    from pipelines.ingest.workers import Workers
+
+    def workers(execution: dict | None) -> Workers:
+        return run_workers({"execution": {"config": execution}} if execution else {}, settings)
+
+    assert workers(None) == workers({"in_process": {}}) == Workers(settings.parse_workers)
+    assert workers({"multiprocess": {"max_concurrent": 3}}) == Workers(3)
+    assert workers({"multiprocess": {}}) == Workers(settings.parse_workers)
+    assert workers({"dask": {"address": "tcp://10.0.0.5:8786"}}) == Workers(dask="tcp://10.0.0.5:8786")

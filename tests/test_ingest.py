@@ -157,3 +157,19 @@ def test_a_file_that_never_published_is_not_counted_deleted_when_it_goes(conn, e
     (samples_copy / "handbook" / "leave-policy.md").unlink()
     again = ingest_samples(conn, embedder, samples_copy).counters()
     assert again["documents_deleted"] == 1 and again["documents_failed"] == 0  # the served one only
+
+
+def test_the_same_document_twice_in_a_source_is_ingested(conn, embedder, tmp_path):
+    """Two copies of one text (a PDF and its DOCX, a file copied into another folder) make identical chunks in one
+    cards batch; their Q&A cards were cached twice and the run failed on card_cache's key."""
+    folder = tmp_path / "copies"
+    (folder / "old").mkdir(parents=True)
+    text = "# Returns\n\n## How do I return an item?\n\nSend it back within 30 days with the receipt.\n"
+    (folder / "returns.md").write_text(text)
+    (folder / "old" / "returns.md").write_text(text)
+    add_source(conn, declare("copies", folder), "tests")
+    summary = ingest(conn, embedder, load_settings(), ["copies"])
+    assert summary.failures == [] and summary.counters()["documents_published"] == 2
+    hashes = conn.execute("SELECT count(*), count(DISTINCT c.text_hash) FROM chunks c JOIN documents d"
+                          " USING (document_id) WHERE d.source_id = 'copies' AND c.kind <> 'card'").fetchone()
+    assert hashes[0] == 2 * hashes[1] > 0

@@ -115,7 +115,7 @@ def test_sentences_and_a_parse_worker_load_without_torch():
 
 
 def test_one_changed_file_starts_one_worker_not_a_pool(conn, tmp_path: Path, monkeypatch):
-    from pipelines.ingest import parse
+    from pipelines.ingest import parse, workers
     from pipelines.ingest.extract import extract
     from pipelines.sources.declarations import add_source, declare, load_sources
 
@@ -125,8 +125,8 @@ def test_one_changed_file_starts_one_worker_not_a_pool(conn, tmp_path: Path, mon
     add_source(conn, declare("one", folder, groups=["g"]), "tests")
     extract(conn, load_sources(conn))
     started = []
-    real = parse.isolated_map
-    monkeypatch.setattr(parse, "isolated_map", lambda fn, tasks, workers, *rest: started.append(workers) or
-                        real(fn, tasks, workers, *rest))
+    real = workers.isolated_map
+    monkeypatch.setattr(workers, "isolated_map", lambda fn, tasks, count, *rest: started.append(count) or
+                        real(fn, tasks, count, *rest))
     assert parse.parse_pending(conn, workers=4).counts["parsed"] == 1
     assert started == [1]

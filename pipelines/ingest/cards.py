@@ -215,7 +215,8 @@ def generate_cards(conn: psycopg.Connection, settings: Settings, embedders: list
             after = chunks[-1].chunk_id
             cached = dict(conn.execute("SELECT text_hash, cards FROM card_cache WHERE generator = %s AND text_hash = ANY(%s)",
                                        (generator.generator, [c.text_hash for c in chunks])).fetchall())
-            todo = [c for c in chunks if c.text_hash not in cached]
+            # one per text: the same text in two documents (a PDF and its DOCX) is asked and cached once
+            todo = list({c.text_hash: c for c in chunks if c.text_hash not in cached}.values())
             if todo:
                 for chunk, made in zip(todo, generator.cards(todo)):
                     cached[chunk.text_hash] = made

@@ -8,14 +8,21 @@ fails the documents of that batch for this run, which keep their last good versi
 
 from __future__ import annotations
 
+from collections import Counter
+from dataclasses import asdict, replace
+from functools import cache
+
 import numpy as np
 import psycopg
 from psycopg import sql
 
 from pipelines.ingest.failures import Failure, record_failure
 from pipelines.ingest.report import NO_PROGRESS, Progress, StageReport
-from pipelines.models.embedders import Embedder
+from pipelines.ingest.workers import Lost, dask_map
+from pipelines.models.embedders import Embedder, embedder_for
+from pipelines.settings import Settings
 from pipelines.storage import bulk
+from pipelines.storage.database import connect, database_url
 from pipelines.storage.vectors import (
     active_model,
     defer_index,
@@ -24,8 +31,8 @@ from pipelines.storage.vectors import (
     registered_dimensions,
 )
 
-# Texts of drafts and of live chunks with no vector in this model's table. Optionally limited to some sources and
-# to shards of the hash space (first hex digit), which is how a model backfill fans out over Dagster partitions.
+# Texts of drafts and of live chunks with no vector in this model's table. Optionally limited to some sources and to
+# shards of the hash space (first hex digit), which is how a model backfill and a dask run fan out.
 MISSING = """
 SELECT t.text_hash, min(t.embed_text) FROM (
     SELECT c.text_hash, c.embed_text, c.document_id FROM chunk_drafts c WHERE c.text_hash IS NOT NULL
@@ -42,6 +49,7 @@ GROUP BY t.text_hash
 # 100k). Vectors are stored page by page, so an interrupted run loses one page and the next run finds the rest.
 TO_EMBED = "CREATE TEMP TABLE kb_to_embed (text_hash text PRIMARY KEY, embed_text text NOT NULL)"
 PAGE = "SELECT text_hash, embed_text FROM kb_to_embed WHERE text_hash > %s ORDER BY text_hash LIMIT %s"
+SHARDS = tuple("0123456789abcdef")  # the first hex digit of a text hash
 
 REUSED = """
 SELECT count(*) FROM chunk_drafts c
@@ -51,12 +59,13 @@ WHERE c.text_hash IS NOT NULL AND EXISTS (SELECT 1 FROM {vectors} v WHERE v.text
 
 def embed_pending(conn: psycopg.Connection, embedder: Embedder, source_ids: list[str] | None = None,
                   shards: list[str] | None = None, batch_size: int = 256,
-                  progress: Progress = NO_PROGRESS) -> StageReport:
+                  progress: Progress = NO_PROGRESS, index: bool = True) -> StageReport:
+    """Embed and store what the model lacks. `index`: drop the serving model's HNSW index before a large load and
+    build it after (False when the caller does that once around several shards)."""
     report = StageReport("embed", ("computed", "reused", "index_deferred"))
-    table, dimensions = model_store(conn, embedder)
+    table, dimensions = _store(conn, embedder, report)
     vectors = sql.Identifier(table)
-    report.counts["reused"] = conn.execute(sql.SQL(REUSED).format(vectors=vectors)).fetchone()[0]
-    serving = active_model(conn) == embedder.model_key
+    serving = index and active_model(conn) == embedder.model_key
     conn.execute("DROP TABLE IF EXISTS kb_to_embed")
     conn.execute(TO_EMBED)
     try:
@@ -79,6 +88,65 @@ def embed_pending(conn: psycopg.Connection, embedder: Embedder, source_ids: list
     if serving:
         ensure_index(conn, table)
     return report.finish()
+
+
+def _store(conn: psycopg.Connection, embedder: Embedder, report: StageReport) -> tuple[str, int]:
+    """The model's table and dimension; counts the drafts whose vector is already stored into the report."""
+    table, dimensions = model_store(conn, embedder)
+    report.counts["reused"] = conn.execute(sql.SQL(REUSED).format(vectors=sql.Identifier(table))).fetchone()[0]
+    return table, dimensions
+
+
+def embed_on_dask(conn: psycopg.Connection, settings: Settings, embedders: list[Embedder],
+                  source_ids: list[str] | None, address: str, batch_size: int = 256,
+                  progress: Progress = NO_PROGRESS) -> StageReport:
+    """The embed stage over a dask cluster's workers: the 16 shards of the text-hash space (as the model backfill
+    splits its work), a task each, that embeds its shard's missing texts for every model in use and stores the
+    vectors itself, so that vectors never travel through this process. Vectors are keyed by text hash and stored
+    with ON CONFLICT DO NOTHING: a shard whose worker died runs again on another worker and stores nothing twice;
+    a shard lost past allowed-failures fails the stage, and the next run embeds only what is still missing. This
+    process only drops the serving index before a large load and builds it after, once. Counters are the first
+    (configured) model's; the notes count the shards each worker embedded."""
+    report = StageReport("embed", ("computed", "reused", "index_deferred"))
+    for other in embedders[1:]:
+        model_store(conn, other)  # each model's table exists before 16 tasks would race to create it
+    table, _ = _store(conn, embedders[0], report)
+    missing = conn.execute(sql.SQL("SELECT count(*) FROM ({}) m").format(
+        sql.SQL(MISSING).format(vectors=sql.Identifier(table))), {"shards": None, "ids": source_ids}).fetchone()[0]
+    progress.total(missing)
+    serving = active_model(conn) == embedders[0].model_key
+    if serving:
+        report.counts["index_deferred"] = int(defer_index(conn, table, missing))
+    shipped = replace(settings, database_url=database_url(settings))  # the database this run uses, not a new one
+    tasks = [(shipped, [e.model_key for e in embedders], source_ids, shard, batch_size) for shard in SHARDS]
+    embedded_by: Counter[str] = Counter()
+    for worker, result in dask_map(_embed_shard, tasks, address, [f"embed shard {shard}" for shard in SHARDS]):
+        if isinstance(result, Lost):
+            raise RuntimeError(f"an embed shard was lost: {result.reason}; run the refresh again (it resumes)")
+        embedded_by[worker] += 1
+        report.counts["computed"] += result["computed"]
+        for failure in result["failures"]:
+            report.fail(Failure(**failure))
+        progress.advance(result["computed"] + len(result["failures"]))
+    if serving:
+        ensure_index(conn, table)
+    report.notes["workers"] = dict(sorted(embedded_by.items()))
+    return report.finish()
+
+
+def _embed_shard(task: tuple) -> dict:
+    """A dask task: one shard's missing vectors for every model in use, stored by this worker."""
+    settings, model_keys, source_ids, shard, batch_size = task
+    with connect(settings) as conn:
+        reports = [embed_pending(conn, _model(settings, key), source_ids, [shard], batch_size, index=False)
+                   for key in model_keys]
+    return {"computed": reports[0].counts["computed"], "failures": [asdict(f) for f in reports[0].failures]}
+
+
+@cache
+def _model(settings: Settings, model_key: str) -> Embedder:
+    """One model per worker process and configuration: the shards a worker runs one after another load it once."""
+    return embedder_for(model_key, settings)
 
 
 def model_store(conn: psycopg.Connection, embedder: Embedder) -> tuple[str, int]:

@@ -45,7 +45,7 @@ def _extract(run: "IngestRun", progress: Progress) -> StageReport:
 def _parse(run: "IngestRun", progress: Progress) -> StageReport:
     from pipelines.ingest.parse import parse_pending
 
-    return parse_pending(run.conn, run.source_ids, progress=progress, workers=run.settings.parse_workers,
+    return parse_pending(run.conn, run.source_ids, progress=progress, workers=run.workers,
                          limits=run.settings.limits, retry_failed=run.confirmed.retry_failed)
 
 
@@ -64,11 +64,15 @@ def _enrich(run: "IngestRun", progress: Progress) -> StageReport:
 
 def _embed(run: "IngestRun", progress: Progress) -> StageReport:
     """Embed with the configured model and, while a model switch is under way, with the serving one too, so that
-    new documents are searchable before and after the switch. Counters are the configured model's."""
-    from pipelines.ingest.embed import embed_pending
+    new documents are searchable before and after the switch; on a dask cluster's workers when the run has one.
+    Counters are the configured model's."""
+    from pipelines.ingest.embed import embed_on_dask, embed_pending
 
     configured, *others = run.models_in_use()
     batch = run.settings.embed_batch_size
+    if run.workers.dask:
+        return embed_on_dask(run.conn, run.settings, [configured, *others], run.source_ids, run.workers.dask, batch,
+                             progress)
     report = embed_pending(run.conn, configured, run.source_ids, batch_size=batch, progress=progress)
     for other in others:
         embed_pending(run.conn, other, run.source_ids, batch_size=batch)

@@ -3,10 +3,13 @@
 unstructured is imported lazily (it pulls spaCy and friends); `offline_spacy()` points its sentence model at
 the pip-installed copy so that parsing never tries to download one at run time. Files are parsed in worker
 processes (pipelines/ingest/workers.py) under a time and a memory limit, after a check of what a zip-based office
-file expands to, so that one hostile file costs that file and never the run. A worker reads the file once, below
-the source root and without following links (pipelines/sources/files.py), checks that the bytes are the ones the
-crawl hashed, and parses those bytes. Plain text is split into paragraphs by kb itself, in linear time and
-memory (unstructured's text partitioner tokenizes every paragraph: a 229 KB one-paragraph file took 1.3 GB).
+file expands to, so that one hostile file costs that file and never the run. The run's own process reads each
+file once, below the source root and without following links (pipelines/sources/files.py), checks that the bytes
+are the ones the crawl hashed, and ships those bytes to a worker: a local process, or a dask worker on another
+machine (`kb ingest --dask`, a Dagster run on the dask executor) that needs no access to the source's mount, and
+"no file outside a source is read" is enforced in one place. Plain text is split into paragraphs by kb itself,
+in linear time and memory (unstructured's text partitioner tokenizes every paragraph: a 229 KB one-paragraph file
+took 1.3 GB).
 
 A file that failed to parse is not parsed again while its bytes are unchanged: the failure is reported from the
 record (`failures`), until the file changes or the run is asked to retry (`kb ingest --retry-failed`).
@@ -19,6 +22,8 @@ import io
 import os
 import re
 import zipfile
+from collections import Counter
+from dataclasses import replace
 from functools import lru_cache
 from pathlib import Path
 
@@ -29,7 +34,7 @@ from pipelines.ingest.failures import Failure, clear_failures, record_failure
 from pipelines.ingest.file_metadata import file_metadata
 from pipelines.ingest.report import NO_PROGRESS, Progress, StageReport
 from pipelines.ingest.sentences import import_spacy
-from pipelines.ingest.workers import Lost, isolated_map
+from pipelines.ingest.workers import Lost, Workers, spread_map
 from pipelines.settings import Limits
 from pipelines.ingest.hashing import hash_bytes
 from pipelines.sources.declarations import resolve_declared
@@ -202,25 +207,36 @@ def warm_worker() -> None:
 
 def _parse_task(task: tuple) -> ParsedDocument | str:
     """A worker's unit of work: the parsed document, or the reason it failed (exceptions stay in the worker)."""
-    root, known_root, locator, allow_outside_links, doc_format, limits, content_hash = task
+    data, locator, doc_format, limits = task
     try:
-        data = read_below(Path(root), known_root, locator, allow_outside_links, limits.max_file_mb * 1e6)
-        if hash_bytes(data) != content_hash:
-            return "the file changed after this run crawled it; the next run reads it again"
         return parse_bytes(data, Path(locator).name, doc_format, limits)
-    except (ParseError, OutsideSource, NotARegularFile, OSError, ValueError) as exc:
-        return str(exc.strerror if isinstance(exc, OSError) and exc.strerror else exc)
+    except (ParseError, ValueError) as exc:
+        return str(exc)
     except Exception as exc:  # a parser bug must cost this file only
         return f"cannot parse as {doc_format}: {type(exc).__name__}: {exc}"
 
 
+def _read(root: str, known_root: str | None, locator: str, allow_outside_links: bool, content_hash: str,
+          limits: Limits) -> bytes | str:
+    """The file's bytes as the crawl hashed them, read below its source root; or the reason they cannot be read."""
+    try:
+        data = read_below(Path(root), known_root, locator, allow_outside_links, limits.max_file_mb * 1e6)
+    except (OutsideSource, NotARegularFile, OSError, ValueError) as exc:
+        return str(exc.strerror if isinstance(exc, OSError) and exc.strerror else exc)
+    if hash_bytes(data) != content_hash:
+        return "the file changed after this run crawled it; the next run reads it again"
+    return data
+
+
 def parse_pending(conn: psycopg.Connection, source_ids: list[str] | None = None, batch_size: int = 16,
-                  progress: Progress = NO_PROGRESS, workers: int = 1, limits: Limits = Limits(),
+                  progress: Progress = NO_PROGRESS, workers: Workers | int = 1, limits: Limits = Limits(),
                   retry_failed: bool = False) -> StageReport:
-    """Parse every document whose bytes changed since they were last parsed, in `workers` worker processes, a
-    batch per transaction. A document whose same bytes failed before is reported again from its record and not
-    parsed (a zip bomb or a parser-hanging file costs nothing on later runs), unless `retry_failed`."""
+    """Parse every document whose bytes changed since they were last parsed, by `workers` (local processes, or a
+    dask cluster's workers), a batch per transaction; the report's notes count the documents each worker parsed.
+    A document whose same bytes failed before is reported again from its record and not parsed (a zip bomb or a
+    parser-hanging file costs nothing on later runs), unless `retry_failed`."""
     report = StageReport(STAGE, ("parsed", "elements", "failed_before"))
+    workers = workers if isinstance(workers, Workers) else Workers(workers)
     pending = []
     for (doc_id, locator, doc_format, content_hash, location, source_id, allow, declared_in, known_root,
          reason, failed_at) in conn.execute(PENDING, {"ids": source_ids, "host": host()}).fetchall():
@@ -232,25 +248,39 @@ def parse_pending(conn: psycopg.Connection, source_ids: list[str] | None = None,
         root = str(resolve_declared(location, declared_in))
         pending.append((doc_id, locator, doc_format, content_hash, root, source_id, allow, known_root))
     progress.total(len(pending))
-    workers = max(1, min(workers, len(pending)))  # one changed file starts one worker, not a pool of idle ones
+    if not workers.dask:  # one changed file starts one worker, not a pool of idle ones
+        workers = replace(workers, processes=max(1, min(workers.processes, len(pending))))
+    parsed_by: Counter[str] = Counter()
     for start in range(0, len(pending), batch_size):
+        parsed, failed, sent, tasks = [], [], [], []
         batch = pending[start:start + batch_size]
-        tasks = [(root, known_root, locator, allow, doc_format, limits, content_hash)
-                 for _, locator, doc_format, content_hash, root, _, allow, known_root in batch]
-        parsed, failed = [], []
-        results = isolated_map(_parse_task, tasks, workers, limits.parse_timeout_s, limits.parse_memory_mb, warm_worker)
-        for (doc_id, locator, _, content_hash, location, source_id, _, _), result in zip(batch, results):
+        for doc_id, locator, doc_format, content_hash, root, source_id, allow, known_root in batch:
+            data = _read(root, known_root, locator, allow, content_hash, limits)
+            if isinstance(data, str):
+                failed.append((Failure(source_id, locator, STAGE, f"{Path(root) / locator}: {data}"), content_hash))
+                progress.advance()
+                continue
+            sent.append((doc_id, locator, content_hash, root, source_id))
+            tasks.append((data, locator, doc_format, limits))
+        names = [f"parse {source_id}:{locator}" for _, locator, _, _, source_id in sent]
+        results = spread_map(_parse_task, tasks, workers, limits.parse_timeout_s, limits.parse_memory_mb,
+                             warm_worker, names)
+        for (doc_id, locator, content_hash, root, source_id), (worker, result) in zip(sent, results):
+            if worker is not None:
+                parsed_by[worker] += 1
             if isinstance(result, ParsedDocument):
                 parsed.append((doc_id, content_hash, result, source_id, locator))
             else:
                 reason = result.reason if isinstance(result, Lost) else result
-                failed.append((Failure(source_id, locator, STAGE, f"{Path(location) / locator}: {reason}"), content_hash))
+                failed.append((Failure(source_id, locator, STAGE, f"{Path(root) / locator}: {reason}"), content_hash))
             progress.advance()
         failed += _store(conn, parsed, report)
         for failure, content_hash in failed:
             report.fail(failure)
             with conn.transaction():
                 record_failure(conn, failure, content_hash)
+    if parsed_by:
+        report.notes["workers"] = dict(sorted(parsed_by.items()))
     return report.finish()
 
 

@@ -24,6 +24,7 @@ from psycopg.types.json import Jsonb
 from pipelines.ingest.flow import FLOW, STAGE_NAMES, Stage
 from pipelines.ingest.golden import GateFailed, golden_gate
 from pipelines.ingest.report import NO_PROGRESS, Progress, StageReport
+from pipelines.ingest.workers import Workers
 from pipelines.models.embedders import Embedder, embedder_for
 from pipelines.settings import Settings
 from pipelines.sources.declarations import load_sources
@@ -97,19 +98,21 @@ class IngestRun:
     """One run of the flow over some sources, recorded in `ingest_runs`. Open it with `IngestRun.open`."""
 
     def __init__(self, conn: psycopg.Connection, settings: Settings, embedder: Embedder, source_ids: list[str],
-                 run_id: int, progress: ProgressFactory, confirmed: "Confirmations"):
+                 run_id: int, progress: ProgressFactory, confirmed: "Confirmations", workers: Workers):
         self.conn, self.settings, self.embedder = conn, settings, embedder
         self.source_ids, self.run_id, self.progress = source_ids, run_id, progress
-        self.confirmed = confirmed
+        self.confirmed, self.workers = confirmed, workers
 
     @classmethod
     @contextmanager
     def open(cls, conn: psycopg.Connection, settings: Settings, embedder: Embedder,
              source_ids: list[str] | None = None, *, started_by: str = "cli", external_run_id: str | None = None,
-             progress: ProgressFactory = _no_progress, confirmed: "Confirmations | None" = None
-             ) -> Iterator["IngestRun"]:
+             progress: ProgressFactory = _no_progress, confirmed: "Confirmations | None" = None,
+             workers: Workers | None = None) -> Iterator["IngestRun"]:
         """A run over these sources (every declared source when None), holding their locks until it has finished.
-        A run of an orchestrator (one Dagster run id) is one row, however many times it is opened."""
+        A run of an orchestrator (one Dagster run id) is one row, however many times it is opened. `workers` parse
+        the documents (default: KB_PARSE_WORKERS local processes); the run's own process keeps the lock and stores
+        what they return."""
         ids = sorted(source_ids or [s.source_id for s in load_sources(conn)])
         with source_locks(conn, ids):
             run_id = conn.execute(
@@ -118,7 +121,8 @@ class IngestRun:
                 "   SELECT array_agg(DISTINCT s) FROM unnest(ingest_runs.sources || excluded.sources) s),"
                 "   finished_at = NULL"
                 " RETURNING run_id", (ids, started_by, external_run_id)).fetchone()[0]
-            run = cls(conn, settings, embedder, ids, run_id, progress, confirmed or Confirmations())
+            run = cls(conn, settings, embedder, ids, run_id, progress, confirmed or Confirmations(),
+                      workers or Workers(settings.parse_workers))
             try:
                 yield run
             except BaseException as exc:
@@ -190,8 +194,8 @@ def _outcome(exc: BaseException) -> str:
 
 def ingest(conn: psycopg.Connection, embedder: Embedder, settings: Settings, source_ids: list[str] | None = None,
            progress: ProgressFactory = _no_progress, confirmed: Confirmations | None = None,
-           started_by: str = "cli") -> IngestSummary:
+           started_by: str = "cli", workers: Workers | None = None) -> IngestSummary:
     """Run every stage over the given sources (all declared sources when None), as `kb ingest` does."""
     with IngestRun.open(conn, settings, embedder, source_ids, started_by=started_by, progress=progress,
-                        confirmed=confirmed) as run:
+                        confirmed=confirmed, workers=workers) as run:
         return run.run_all()

@@ -8,6 +8,15 @@ in the parent kills a worker whose resident memory passes the limit. Workers are
 holds a database connection and library threads), and ask the kernel to kill them when their parent dies
 (PR_SET_PDEATHSIG), so a SIGKILLed `kb ingest` leaves no orphan blocked forever. One pool lives as long as the
 process and is reused by later runs, so a worker imports the parsers once.
+
+The same work can go to a dask cluster's workers instead (`spread_map` with `Workers(dask=ADDRESS)`: `kb ingest
+--dask`, or a Dagster run on the dask executor), one dask task per item. Each dask worker runs its tasks in a pool
+of its own, as above, so a task's time and memory limits and a crashing parser cost that item there too. A dask
+worker that dies (its machine lost, the process killed) loses no work: the scheduler hands its unfinished tasks to
+another worker, up to `distributed.scheduler.allowed-failures` times (3 by default); an item whose workers died that
+often is a failure of that item alone (KilledWorker), so a file that takes its worker down cannot kill every worker
+in turn. Results come back to the caller, which stores them: the caller holds the run's lock and transactions, and a
+task that ran twice (rescheduled) returns the same result, stored once.
 """
 
 from __future__ import annotations
@@ -16,10 +25,12 @@ import atexit
 import multiprocessing
 import os
 import signal
+import socket
 import threading
+import uuid
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Callable, Iterator
+from typing import Any, Callable, Iterator
 
 import psutil
 
@@ -31,6 +42,27 @@ class Lost:
     """A task whose worker was stopped or died: why, in words for the failure record."""
 
     reason: str
+
+
+@dataclass(frozen=True)
+class Workers:
+    """Where a run's per-document work goes: `processes` worker processes on this machine, or, when `dask` names a
+    scheduler (tcp://host:8786), the workers of that cluster, as many as it has."""
+
+    processes: int = 1
+    dask: str | None = None
+
+    def __str__(self) -> str:
+        return f"the dask cluster at {self.dask}" if self.dask else f"{self.processes} local worker process(es)"
+
+
+class WorkersUnavailable(RuntimeError):
+    """The dask scheduler named for the run does not answer."""
+
+
+def where() -> str:
+    """This process, as a worker is named in reports: host:pid."""
+    return f"{socket.gethostname()}:{os.getpid()}"
 
 
 def _start_worker(warm: Callable[[], None] | None) -> None:
@@ -49,7 +81,7 @@ def _start_worker(warm: Callable[[], None] | None) -> None:
         warm()
 
 
-_pool = None  # ((workers, warm), pebble.ProcessPool)
+_pool = None  # ((workers, warm), pebble.ProcessPool, the Event that ends its keeper thread)
 
 
 def _shared_pool(workers: int, warm: Callable[[], None] | None):
@@ -60,9 +92,28 @@ def _shared_pool(workers: int, warm: Callable[[], None] | None):
         _stop_pool()
     if _pool is None:
         context = multiprocessing.get_context("spawn")
-        _pool = ((workers, warm), pebble.ProcessPool(max_workers=workers, initializer=_start_worker,
-                                                     initargs=(warm,), context=context))
+        pool = pebble.ProcessPool(max_workers=workers, initializer=_start_worker, initargs=(warm,), context=context)
+        _pool = ((workers, warm), pool, _start_in_lasting_thread(pool))
     return _pool[1]
+
+
+def _start_in_lasting_thread(pool) -> threading.Event:
+    """Start the pool's first workers from a thread that lives as long as the pool; returns the Event that ends it.
+    PR_SET_PDEATHSIG fires when the *thread* that started a worker ends, and pebble starts its first workers in the
+    thread that schedules first (later ones in its own manager thread): a dask worker's task threads come and go,
+    and a worker started by one was killed with it ("All workers expired")."""
+    started, stop = threading.Event(), threading.Event()
+
+    def keep() -> None:
+        try:
+            pool.schedule(os.getpid)  # the first schedule starts the pool, here
+        finally:
+            started.set()
+        stop.wait()
+
+    threading.Thread(target=keep, name="kb-pool-keeper", daemon=True).start()
+    started.wait()
+    return stop
 
 
 @atexit.register
@@ -71,6 +122,7 @@ def _stop_pool() -> None:
     if _pool is not None:
         _pool[1].stop()
         _pool[1].join(timeout=10)
+        _pool[2].set()
         _pool = None
 
 
@@ -145,3 +197,76 @@ def _exit_reason(code: int | None) -> str:
         except ValueError:
             pass
     return f"exit code {code}"
+
+
+def _located(call: tuple) -> tuple[str, Any]:
+    fn, task = call
+    return where(), fn(task)
+
+
+def spread_map(fn: Callable, tasks: list, workers: Workers, timeout_s: float, memory_mb: float,
+               warm: Callable[[], None] | None = None, names: list[str] | None = None
+               ) -> Iterator[tuple[str | None, Any]]:
+    """(where, fn(task)) for each task, yielded in order, computed by `workers` (see the module's docstring), each
+    in an isolated process under the time and memory limits; `where` names the process that did it (None for a
+    Lost task). `names` label the tasks on a dask cluster (its dashboard, its logs), one per task."""
+    if workers.dask:
+        isolated = [(fn, task, timeout_s, memory_mb, warm) for task in tasks]
+        yield from dask_map(_isolated_on_dask_worker, isolated, workers.dask, names or [""] * len(tasks))
+        return
+    for result in isolated_map(_located, [(fn, task) for task in tasks], workers.processes, timeout_s, memory_mb, warm):
+        yield (None, result) if isinstance(result, Lost) else result
+
+
+@contextmanager
+def dask_client(address: str) -> Iterator:
+    """A client of the dask scheduler at `address`. Inside a task of that very cluster (a Dagster step on the dask
+    executor) the task secedes from its worker's threads while it waits, so that its worker computes too."""
+    from distributed import Client, get_worker, worker_client
+
+    try:
+        inside = get_worker().scheduler.address == address
+    except ValueError:  # not on a dask worker
+        inside = False
+    if inside:
+        with worker_client() as client:
+            yield client
+        return
+    try:
+        client = Client(address, set_as_default=False)
+    except OSError as exc:
+        raise WorkersUnavailable(f"the dask scheduler at {address} does not answer ({exc}); start it (`dask scheduler`"
+                                 " and `dask worker`) or run without --dask / KB_DASK_SCHEDULER") from None
+    with client:
+        yield client
+
+
+def dask_map(fn: Callable, tasks: list, address: str, names: list[str]) -> Iterator[tuple[str | None, Any]]:
+    """(where, fn(task)) for each task, yielded in order, computed in the processes of the dask cluster's workers
+    (no limits of their own: for trusted work such as embedding, whose model a worker loads once); a task whose
+    workers died past allowed-failures is (None, Lost)."""
+    from distributed import KilledWorker
+
+    run = uuid.uuid4().hex[:8]  # task keys are unique per run: a rerun must not pick up an old run's results
+    with dask_client(address) as client:
+        futures = [client.submit(_located, (fn, task), key=f"kb {name} {run}-{i}", pure=False)
+                   for i, (task, name) in enumerate(zip(tasks, names))]
+        try:
+            for future in futures:
+                try:
+                    yield future.result()
+                except KilledWorker as exc:
+                    yield None, Lost(f"{exc.allowed_failures + 1} dask workers died while working on it"
+                                     " (distributed.scheduler.allowed-failures); it was not retried again")
+        finally:
+            client.cancel(futures)
+
+
+def _isolated_on_dask_worker(call: tuple) -> Any:
+    """fn(task) in this dask worker's own pool of isolated processes (one per worker thread), under the same limits
+    as on the caller's machine."""
+    from distributed import get_worker
+
+    fn, task, timeout_s, memory_mb, warm = call
+    result, = isolated_map(fn, [task], get_worker().state.nthreads, timeout_s, memory_mb, warm)
+    return result
