@@ -1,15 +1,19 @@
 """Where a knowledge base's bytes go: each table's heap, TOAST and indexes, and the widest columns of `chunks`.
 
     KB_HOME=/tmp/kb-bench-search .venv/bin/python -m bench.storage --chunks 10000
+    KB_HOME=/tmp/kb-eval .venv/bin/python -m bench.storage --database kb_eval_scifact --migrate
 
-reads the database bench/search_latency.py built for that size (it migrates nothing, so an old build can be read
-by new code) and prints bytes per chunk for each relation; bench.search_latency records the same breakdown.
+reads the database bench/search_latency.py built for that size, or any kb database, and prints bytes per live
+chunk for each relation; bench.search_latency records the same breakdown. It migrates nothing (an old build can be
+read by new code) unless --migrate: then it applies this checkout's pending migrations in place, timed, and
+prints the breakdown before and after.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import time
 
 import psycopg
 from psycopg import sql
@@ -50,23 +54,36 @@ def breakdown(conn: psycopg.Connection, vector_table: str, chunks: int) -> dict:
             "bytes_per_chunk": round(sum(size for _, _, size in rows) / chunks)}
 
 
+def _print(facts: dict) -> None:
+    for table, part, size in facts["relations"]:
+        print(f"{table:24} {part:48} {size:>7,}")
+    print("chunks columns (average bytes per row):", facts["chunk_columns"])
+    print("rows:", facts["rows"], " bytes per live chunk:", f"{facts['bytes_per_chunk']:,}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--chunks", type=int, required=True, help="the size bench.search_latency built")
+    which = parser.add_mutually_exclusive_group(required=True)
+    which.add_argument("--chunks", type=int, help="the size bench.search_latency built")
+    which.add_argument("--database", help="any kb database on KB_HOME's server")
+    parser.add_argument("--migrate", action="store_true", help="apply pending migrations in place, timed")
     args = parser.parse_args()
     os.environ.setdefault("KB_HOME", "/tmp/kb-bench-search")
     from pipelines.settings import load_settings
     from pipelines.storage.database import database_url
+    from pipelines.storage.migrations import migrate
 
     server = database_url(load_settings())
-    url = psycopg.conninfo.make_conninfo(server, dbname=f"kb_bench_search_{args.chunks}")
+    url = psycopg.conninfo.make_conninfo(server, dbname=args.database or f"kb_bench_search_{args.chunks}")
     with psycopg.connect(url, autocommit=True) as conn:
-        table = conn.execute("SELECT vector_table FROM embedding_models").fetchone()[0]
-        facts = breakdown(conn, table, args.chunks)
-    for table, part, size in facts["relations"]:
-        print(f"{table:24} {part:48} {size:>7,}")
-    print("chunks columns (average bytes per row):", facts["chunk_columns"])
-    print("rows:", facts["rows"], " bytes per chunk:", f"{facts['bytes_per_chunk']:,}")
+        table = conn.execute("SELECT vector_table FROM embedding_models WHERE state = 'active'").fetchone()[0]
+        live = conn.execute("SELECT count(*) FROM chunks WHERE valid_to IS NULL").fetchone()[0]
+        _print(breakdown(conn, table, live))
+        if args.migrate:
+            started = time.perf_counter()
+            applied = migrate(conn)
+            print(f"\nmigrated in {time.perf_counter() - started:.1f} s: {', '.join(applied) or 'nothing pending'}\n")
+            _print(breakdown(conn, table, live))
 
 
 if __name__ == "__main__":
