@@ -1,5 +1,5 @@
--- Storage a million chunks can afford (issue 21): the same search in about half the bytes per chunk
--- (bench/README.md, "Where the bytes go"). Three cuts, each measured at equal recall:
+-- Storage a million chunks can afford (issue 21): the same search in about 40% fewer bytes per chunk
+-- (bench/README.md, "Where the bytes go"). Three cuts, measured at equal recall:
 --
 -- 1. Vectors are half precision (pgvector's halfvec, 2 bytes a dimension) in their tables and HNSW indexes. Every
 --    model's table is converted here, so one format serves, switches back and backfills; a model registered later
