@@ -33,7 +33,7 @@ def main(dbname: str, dataset: Path, queries: int = 200) -> None:
         rows = conn.execute(sql.SQL("SELECT c.chunk_id, v.embedding FROM chunks c JOIN {} v USING (text_hash)"
                                     " WHERE c.valid_to IS NULL").format(table)).fetchall()
         ids = np.array([r[0] for r in rows])
-        matrix = np.stack([r[1].to_numpy() for r in rows])
+        matrix = np.stack([r[1].to_numpy() for r in rows]).astype(np.float32)
         recalls = []
         for text, vector in zip(texts, vectors):
             exact = set(ids[np.argsort(-(matrix @ vector))[:100]])

@@ -3,10 +3,10 @@
     .venv/bin/python -m bench.search_latency --chunks 10000 --chunks 100000
 
 Each size gets its own database on the embedded server (KB_HOME, default /tmp/kb-bench-search), built once and
-reused by later runs (--rebuild starts over). Reports load and HNSW build time, table + index size per chunk,
-and median/p95 latency of 200 hybrid queries (dense + BM25 + RRF, k=10, k_overfetch=20) for each kind of caller
-and filter in CALLERS from one client, and for a caller with groups from 4 concurrent clients, with their
-queries per second. Query embedding is not included (the vectors are synthetic).
+reused by later runs (--rebuild starts over). Reports load and HNSW build time, table + index size per chunk and
+where those bytes go (bench/storage.py), and median/p95 latency of 200 hybrid queries (dense + BM25 + RRF, k=10,
+k_overfetch=20) for each kind of caller and filter in CALLERS from one client, and for a caller with groups from 4
+concurrent clients, with their queries per second. Query embedding is not included (the vectors are synthetic).
 Also, per caller: the top 10's recall against exact search (no posting budget, no chunk-by-chunk shortcut), and
 the dense arm's recall against brute force (no HNSW index: every readable vector compared), which is what HNSW
 costs under a selective filter; and an as-of read inside the live history (a time at which every live chunk
@@ -27,6 +27,7 @@ from datetime import datetime
 import numpy as np
 
 from bench.report import write_results
+from bench.storage import breakdown
 from bench.synthetic import CLOSED_FROM, CODES
 from pipelines.retrieval.search import Filters
 
@@ -154,9 +155,8 @@ def measure(url: str, settings, size: int) -> dict:
     with connect(dataclasses.replace(settings, database_url=url)) as conn:
         facts = build_once(conn, size)
         table = conn.execute("SELECT vector_table FROM embedding_models WHERE model_key = %s", (MODEL_KEY,)).fetchone()[0]
-        size_bytes = conn.execute("SELECT sum(pg_total_relation_size(c)) FROM unnest(ARRAY['chunks', 'lexical_postings',"
-                                  " %s]::regclass[]) c", (table,)).fetchone()[0]
-        facts["bytes_per_chunk"] = round(size_bytes / size)
+        facts["storage"] = breakdown(conn, table, size)
+        facts["bytes_per_chunk"] = facts["storage"]["bytes_per_chunk"]
         live_since = conn.execute("SELECT max(valid_from) FROM chunks WHERE valid_to IS NULL").fetchone()[0]
     rng = np.random.default_rng(11)
     queries = [" ".join(words(rng, 4)) for _ in range(QUERIES)]

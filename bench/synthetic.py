@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 import psycopg
+from pgvector import HalfVector
 
 from pipelines.storage import bulk
 from pipelines.storage.vectors import defer_index, ensure_vector_store
@@ -66,7 +67,7 @@ def build(conn: psycopg.Connection, chunks: int, seed: int = 7, batch: int = 20_
                     for n, t, h in rows_]
             bulk.copy_rows(conn, "chunks", columns, rows)
             hashes = [h for _, _, h in live + closed]
-            bulk.copy_rows(conn, table, ("text_hash", "embedding"), zip(hashes, unit_vectors(rng, len(hashes))),
-                           types=("text", "vector"))
+            bulk.copy_rows(conn, table, ("text_hash", "embedding"),
+                           zip(hashes, map(HalfVector, unit_vectors(rng, len(hashes)))), types=("text", "halfvec"))
     conn.execute("ANALYZE")
     return table

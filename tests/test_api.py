@@ -283,7 +283,7 @@ def test_health_fails_when_the_serving_model_cannot_serve(settings, client, conn
                                             "version": client.app.version}
     # The configured query embedder (384-d) no longer matches the dimension the model is registered with:
     conn.execute(sql.SQL("TRUNCATE {}").format(sql.Identifier(table)))
-    conn.execute(sql.SQL("ALTER TABLE {} ALTER COLUMN embedding TYPE vector(768)").format(sql.Identifier(table)))
+    conn.execute(sql.SQL("ALTER TABLE {} ALTER COLUMN embedding TYPE halfvec(768)").format(sql.Identifier(table)))
     conn.execute("UPDATE embedding_models SET dimensions = 768 WHERE model_key = %s", (model,))
     mismatch = client.get("/health")
     conn.execute("UPDATE embedding_models SET dimensions = 512 WHERE model_key = %s", (model,))

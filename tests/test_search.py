@@ -28,7 +28,8 @@ def test_bm25_scores_match_the_formula_over_live_statistics(kb, embedder):
     avg = total / n
     df = dict(kb.execute(f"SELECT term, sum(df)::float8 FROM lexical_terms {PUBLIC} GROUP BY term").fetchall())
     for hit in hits:
-        tsv, length = kb.execute("SELECT search_tsv::text, lexical_length FROM chunks WHERE chunk_id = %s", (hit.chunk_id,)).fetchone()
+        tsv, length = kb.execute("SELECT kb_lexemes(embed_text)::text, lexical_length FROM chunks WHERE chunk_id = %s",
+                                 (hit.chunk_id,)).fetchone()
         tf = {}
         for item in tsv.split(" "):
             lexeme, _, positions = item.rpartition(":")
@@ -54,7 +55,7 @@ def test_term_statistics_follow_every_publish(kb, embedder, samples_copy):
         assert dict(kb.execute("SELECT (term, source_key), df FROM lexical_terms WHERE df > 0").fetchall()) == \
             per_term("kb_lexemes(c.text)")
         assert dict(kb.execute("SELECT (term, source_key), postings FROM lexical_terms WHERE postings > 0").fetchall()) == \
-            per_term("c.search_tsv")
+            per_term("kb_lexemes(c.embed_text)")
 
     consistent()
     (samples_copy / "ops/postgres-runbook.txt").unlink()

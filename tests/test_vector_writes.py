@@ -41,6 +41,16 @@ def test_bulk_writer_is_idempotent_and_atomic_per_batch(conn):
     assert store_vectors(conn, target, ["c", "d"], np.eye(2, 4, dtype=np.float32)) == 1
 
 
+def test_a_new_model_stores_half_precision_vectors(conn):
+    """A 384-d vector costs 776 bytes (2 a dimension, halfvec), not 1,544, in its table and in its HNSW index."""
+    table = ensure_vector_store(conn, "test:half:384", 384)
+    vector = np.full((1, 384), 384 ** -0.5, dtype=np.float32)
+    assert store_vectors(conn, sql.Identifier(table), ["a"], vector) == 1
+    size = conn.execute(sql.SQL("SELECT pg_column_size(embedding) FROM {}").format(sql.Identifier(table))).fetchone()
+    assert size[0] == 8 + 2 * 384
+    assert "halfvec_cosine_ops" in hnsw_index(conn, table)
+
+
 def test_big_load_builds_the_index_after_the_rows_small_ones_use_it(conn, embedder, monkeypatch):
     monkeypatch.setattr(vector_store, "DEFER_INDEX_MIN_ROWS", 10)  # the sample corpus has ~40 chunks
     add_source(conn, declare("samples", SAMPLES_DIR / "docs"), "tests")

@@ -50,7 +50,7 @@ def validate_citations(conn: psycopg.Connection, embedder: Embedder, claims: lis
                                 " END")
                         .format(vector_table(conn, embedder.model_key)),
                         {"cited": cited, "sources": readable_sources, "as_of": as_of}).fetchall()
-    vectors = {chunk_id: np.asarray(vector.to_numpy()) for chunk_id, vector in rows}
+    vectors = {chunk_id: np.asarray(vector.to_numpy(), dtype=np.float32) for chunk_id, vector in rows}
     claim_vectors = embedder.embed([claim["text"] for claim in claims]) if claims else []
     allowed = set(retrieved)
     results = []

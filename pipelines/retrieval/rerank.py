@@ -87,7 +87,7 @@ def mmr(conn: psycopg.Connection, model_key: str, query_vector: np.ndarray, hits
     rows = conn.execute(sql.SQL("SELECT c.chunk_id, v.embedding FROM chunks c JOIN {} v USING (text_hash)"
                                 " WHERE c.chunk_id = ANY(%s)").format(vector_table(conn, model_key)),
                         ([h.chunk_id for h in hits],)).fetchall()
-    vectors = {chunk_id: np.asarray(v.to_numpy()) for chunk_id, v in rows}
+    vectors = {chunk_id: np.asarray(v.to_numpy(), dtype=np.float32) for chunk_id, v in rows}
     for hit in hits:  # a lexical hit whose text has no vector: no similarity to anything
         vectors.setdefault(hit.chunk_id, np.zeros_like(query_vector))
     remaining, chosen = list(hits), []

@@ -39,13 +39,13 @@ BEGIN
         SELECT n.chunk_id, tsvector_to_array(kb_lexemes(n.text)) AS lexemes FROM new_rows n
     )
     INSERT INTO lexical_postings (term, chunk_id, tf, length, live, source_key, in_body)
-    SELECT u.lexeme, n.chunk_id, coalesce(array_length(u.positions, 1), 1), n.lexical_length, n.valid_to IS NULL,
-           s.source_key, u.lexeme = ANY(b.lexemes)
+    SELECT u.lexeme, n.chunk_id, coalesce(array_length(u.positions, 1), 1), least(n.lexical_length, 32767),
+           n.valid_to IS NULL, s.source_key, u.lexeme = ANY(b.lexemes)
     FROM new_rows n
     JOIN body b USING (chunk_id)
     JOIN documents d USING (document_id)
     JOIN sources s USING (source_id)
-    CROSS JOIN LATERAL unnest(n.search_tsv) AS u;
+    CROSS JOIN LATERAL unnest(kb_lexemes(n.embed_text)) AS u;
     PERFORM kb_lexical_apply(ARRAY(SELECT chunk_id FROM new_rows WHERE valid_to IS NULL), '{}');
     RETURN NULL;
 END $$;

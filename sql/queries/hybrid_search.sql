@@ -57,7 +57,7 @@ WITH visible AS (
     -- read best-impact first (high tf, then short chunk: lexical_postings_impact) and cut at the source's share of
     -- the budget, so a query made only of common words reads a bounded prefix instead of a corpus-long list (as of
     -- a time, postings of chunks valid then, live and closed). The best candidates by this partial score are then completed with
-    -- the other terms by primary-key lookups. With every term essential and no cut, this is exact BM25.
+    -- the other terms by probes of the chunk's postings. With every term essential and no cut, this is exact BM25.
     SELECT p.chunk_id,
            sum(w.idf * (p.tf * (%(bm25_k1)s + 1))
                / (p.tf + %(bm25_k1)s * (1 - %(bm25_b)s + %(bm25_b)s * p.length / corpus.avg_length))) AS score
@@ -87,7 +87,7 @@ WITH visible AS (
     ORDER BY score DESC, p.chunk_id
     LIMIT %(rescore_n)s
 ), bm25 AS (
-    -- Candidates completed with the other terms' scores (one primary-key probe per candidate and remaining term;
+    -- Candidates completed with the other terms' scores (one probe of lexical_postings_chunk per candidate and term;
     -- none when every term was essential), or the chunks %(within)s names, scored exactly by probes.
     SELECT s.chunk_id, s.score + coalesce((
         SELECT sum(w.idf * (p.tf * (%(bm25_k1)s + 1))
