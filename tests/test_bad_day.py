@@ -312,7 +312,7 @@ def test_invalid_vectors_are_refused_never_cached_and_repaired_later(conn, setti
     assert "all-zero vector" in summary.failures[0].reason
     assert live_texts(settings, "doomed") == ["Old text."]  # the last good version serves
     table = conn.execute("SELECT vector_table FROM embedding_models").fetchone()[0]
-    assert conn.execute(f"SELECT count(*) FROM {table} WHERE NOT vector_norm(embedding) BETWEEN 0.99 AND 1.01").fetchone()[0] == 0
+    assert conn.execute(f"SELECT count(*) FROM {table} WHERE NOT vector_norm(embedding::vector) BETWEEN 0.99 AND 1.01").fetchone()[0] == 0
     with FakeOpenAI() as repaired:
         again = ingest(conn, make_embedder(openai_settings(settings, repaired)), openai_settings(settings, repaired))
     assert again.failures == [] and live_texts(settings, "doomed") == ["A zebra text."]
