@@ -107,6 +107,7 @@ class ChatCards:
     def __init__(self, settings: Settings):
         self.model = settings.chat_model
         self.generator, self.family = f"chat:{settings.chat_model}:{PROMPT_VERSION}", "chat"
+        self.batch_size = 64  # chunks per transaction: what a killed run asks the model again, at most
         self.concurrency = settings.chat_concurrency
         self.client = openai_client(settings)
 
@@ -132,6 +133,7 @@ def parse_cards(reply: str) -> list[dict]:
 
 class FaqCards:
     generator, family = FAQ_GENERATOR, "faq"
+    batch_size = 256  # rules cost nothing to redo: larger transactions, fewer round trips
 
     def cards(self, chunks: list[SourceChunk]) -> list[list[dict]]:
         return [faq_cards(chunk) for chunk in chunks]
@@ -194,7 +196,7 @@ def _fit(counter: TokenCounter, head: str, answer: str) -> str:
 
 
 def generate_cards(conn: psycopg.Connection, settings: Settings, embedders: list, source_ids: list[str] | None = None,
-                   batch_size: int = 64, progress: Progress = NO_PROGRESS) -> StageReport:
+                   progress: Progress = NO_PROGRESS) -> StageReport:
     """Cards for every live chunk of these sources that a generator has not looked at yet: from the cache when this
     generator saw the same text before, else from the generator; embedded in every model that serves or is being
     built, then inserted live in one transaction per batch, replacing the chunk's cards from an older version of
@@ -210,7 +212,7 @@ def generate_cards(conn: psycopg.Connection, settings: Settings, embedders: list
     for generator in chosen:
         after = 0
         while rows := conn.execute(PENDING, {"ids": source_ids, "generator": generator.generator, "after": after,
-                                             "limit": batch_size}).fetchall():
+                                             "limit": generator.batch_size}).fetchall():
             chunks = [SourceChunk(*row) for row in rows]
             after = chunks[-1].chunk_id
             cached = dict(conn.execute("SELECT text_hash, cards FROM card_cache WHERE generator = %s AND text_hash = ANY(%s)",
