@@ -80,7 +80,8 @@ def main() -> None:
     with connect(settings) as conn:
         documents = [row[0] for row in conn.execute("SELECT document_id FROM documents ORDER BY document_id")]
         titles = dict(conn.execute("SELECT document_id, title FROM documents").fetchall())
-        texts = [row[0] for row in conn.execute("SELECT embed_text FROM chunks WHERE valid_to IS NULL ORDER BY chunk_id")]
+        texts = [row[0] for row in conn.execute("SELECT embed_text FROM chunks WHERE valid_to IS NULL"
+                                                " ORDER BY chunk_id")]
         columns = ", ".join(INSERT_COLUMNS)
         rows = conn.execute(f"SELECT {columns} FROM chunks WHERE valid_to IS NULL AND kind <> 'card'").fetchall()
 

@@ -52,7 +52,8 @@ def write_folder(folder: Path, records: list[dict], documents: int) -> None:
     for n in range(documents):
         group = [records[(3 * n + k) % len(records)] for k in range(3)]
         fmt = formats[n % len(formats)]
-        WRITERS[fmt](folder / f"doc-{n:06d}.{fmt}", f"Collected abstracts {n}", [(r["title"], r["text"]) for r in group])
+        sections = [(r["title"], r["text"]) for r in group]
+        WRITERS[fmt](folder / f"doc-{n:06d}.{fmt}", f"Collected abstracts {n}", sections)
 
 
 def measure(command: list[str], env: dict) -> dict:
