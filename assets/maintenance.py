@@ -8,9 +8,6 @@ data: the asset is one thing, built when all of them are done. They are static o
 dagster-dask can schedule up front and what works with no storage shared between machines.
 """
 
-import os
-import socket
-
 import dagster as dg
 
 from assets.ingestion import OWNERS, PUBLISHED, table
@@ -28,11 +25,12 @@ def _shard_op(shard: str) -> dg.OpDefinition:
         """The missing vectors of texts whose hash starts with this hex digit (resumable: a re-run embeds only what
         is still missing)."""
         from pipelines.ingest.embed import embed_pending
+        from pipelines.ingest.workers import where
 
         with kb.connect() as conn:
             report = embed_pending(conn, kb.embedder, shards=[shard])
         context.add_output_metadata({"shard": shard, "computed": report.counts["computed"],
-                                     "elapsed_s": report.elapsed_s, "worker": f"{socket.gethostname()}:{os.getpid()}"})
+                                     "elapsed_s": report.elapsed_s, "worker": where()})
     return embed_shard
 
 
