@@ -97,7 +97,8 @@ def main() -> None:
         for workers in (1, args.workers):
             _stop_pool()  # each measurement starts its own workers
             started = time.perf_counter()
-            failures = [r for r in isolated_map(_parse_task, everything, workers, 600, 4000, warm_worker) if isinstance(r, str)]
+            failures = [r for _, r in isolated_map(_parse_task, everything, workers, 600, 4000, warm_worker)
+                        if isinstance(r, str)]
             pool[workers] = time.perf_counter() - started
             assert not failures, failures[:3]
     result = {"per_format": rows, "mixed_documents": len(everything), "workers": args.workers,

@@ -57,7 +57,8 @@ def refresh(server: str, folder: Path, workers: int, dask: str | None) -> dict:
         admin.execute(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")
     assert not summary["errors"], summary["errors"][:3]
     return {"workers": f"{workers} dask" if dask else f"{workers} local", "refresh_s": round(elapsed, 1),
-            "parse_s": summary["elapsed_s"]["parse"], "embed_s": summary["elapsed_s"]["embed"],
+            "parse_s": summary["elapsed_s"]["parse"], "chunk_s": summary["elapsed_s"]["chunk"],
+            "embed_s": summary["elapsed_s"]["embed"],
             "documents": summary["documents_published"], "chunks": summary["chunks_written"]}
 
 
@@ -99,13 +100,14 @@ def main() -> None:
         mine = [run for run in runs if run["workers"] == name]
         rows.append({"workers": name, "documents": mine[0]["documents"], "chunks": mine[0]["chunks"],
                      **{key: round(statistics.median(run[key] for run in mine), 1)
-                        for key in ("parse_s", "embed_s", "refresh_s")}})
+                        for key in ("parse_s", "chunk_s", "embed_s", "refresh_s")}})
     for row in rows:
         one = next(r for r in rows if r["workers"] == f"1 {row['workers'].split()[1]}")
         row["parse_speedup"] = round(one["parse_s"] / row["parse_s"], 2)
+        row["chunk_speedup"] = round(one["chunk_s"] / row["chunk_s"], 2)
         row["refresh_speedup"] = round(one["refresh_s"] / row["refresh_s"], 2)
-    print_table(rows, ["workers", "documents", "chunks", "parse_s", "parse_speedup", "embed_s", "refresh_s",
-                       "refresh_speedup"])
+    print_table(rows, ["workers", "documents", "chunks", "parse_s", "parse_speedup", "chunk_s", "chunk_speedup",
+                       "embed_s", "refresh_s", "refresh_speedup"])
     write_results("sharded_refresh", {"documents": documents, "per_format": args.per_format, "rows": rows,
                                       "runs": runs, "cores": len(os.sched_getaffinity(0))})
 

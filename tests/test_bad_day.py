@@ -195,6 +195,11 @@ def test_undecodable_names_and_text_fail_one_by_one(settings, samples_copy, tmp_
     assert set(failing()) == set(reasons)
 
 
+def ordered(results) -> list:
+    """isolated_map's (i, result) pairs, which come in the order they finish, in the order of their tasks."""
+    return [result for _, result in sorted(results, key=lambda pair: pair[0])]
+
+
 def _die_on(value: int) -> int:
     """A worker task that is SIGKILLed on 3, as the OOM killer would kill it."""
     if value == 3:
@@ -221,10 +226,10 @@ def _hang(value: int) -> int:
 
 
 def test_a_killed_or_bloated_worker_costs_its_task_only():
-    results = list(isolated_map(_die_on, [1, 2, 3, 4, 5], workers=2, timeout_s=60, memory_mb=4000))
+    results = ordered(isolated_map(_die_on, [1, 2, 3, 4, 5], workers=2, timeout_s=60, memory_mb=4000))
     assert results[:2] == [10, 20] and results[3:] == [40, 50]
     assert isinstance(results[2], Lost) and "killed by SIGKILL" in results[2].reason
-    bloated = list(isolated_map(_allocate, [1, 1500, 1], workers=2, timeout_s=3600, memory_mb=800))
+    bloated = ordered(isolated_map(_allocate, [1, 1500, 1], workers=2, timeout_s=3600, memory_mb=800))
     assert bloated[0] == bloated[2] == 1_000_000
     assert isinstance(bloated[1], Lost) and "more than 800 MB" in bloated[1].reason
 
@@ -241,7 +246,7 @@ def test_a_parse_past_its_time_limit_costs_its_file_only(conn, settings, samples
     from pipelines.ingest.extract import extract
     from pipelines.sources.declarations import add_source, declare, load_sources
 
-    assert list(isolated_map(_hang, [1, 2, 3], workers=2, timeout_s=1, memory_mb=4000))[::2] == [10, 30]
+    assert ordered(isolated_map(_hang, [1, 2, 3], workers=2, timeout_s=1, memory_mb=4000))[::2] == [10, 30]
     add_source(conn, declare("samples", samples_copy), "tests")
     embedder = make_embedder(settings)
     ingest(conn, embedder, settings, ["samples"])
@@ -253,7 +258,8 @@ def test_a_parse_past_its_time_limit_costs_its_file_only(conn, settings, samples
     monkeypatch.setattr(parse, "_parse_task", stuck.parse_unless_stuck)  # hangs on leave-policy.md
     report = parse.parse_pending(conn, ["samples"], workers=2, limits=Limits(parse_timeout_s=1))
     assert [(f.locator, f.reason.split(": ", 1)[1]) for f in report.failures] == [
-        ("handbook/leave-policy.md", "parsing took longer than 1 s (KB_PARSE_TIMEOUT_S); its worker was stopped")]
+        ("handbook/leave-policy.md",
+         "parsing stopped: its worker ran past the time limit of 1 s (KB_PARSE_TIMEOUT_S) and was stopped")]
     assert report.counts["parsed"] == 1  # the runbook, in the same batch
     assert live_texts(settings, "handbook/leave-policy.md") == before
 

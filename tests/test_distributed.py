@@ -182,6 +182,9 @@ def test_a_refresh_through_dagster_on_dask_parses_on_the_dask_workers_and_publis
     shards_by = {int(worker.rsplit(":", 1)[1]): count for worker, count in embed["notes"]["workers"].items()}
     assert set(shards_by) <= set(worker_pids) and sum(shards_by.values()) == 16  # the 16 shards, on dask workers
     assert embed["counts"]["computed"] == run["counters"]["embeddings_computed"] > 0
+    chunk = conn.execute("SELECT stages -> 'chunk' FROM ingest_runs WHERE external_run_id = %s",
+                         (run["run_id"],)).fetchone()[0]
+    assert {int(worker.rsplit(":", 1)[1]) for worker in chunk["notes"]["workers"]} <= set(worker_pids)
     ingest(conn, embedder, load_settings(), ["here"])  # in process, the local pool: the reference
     assert live_chunks(conn, "spread") == live_chunks(conn, "here") != []  # what serves is the same
 
@@ -235,3 +238,62 @@ def test_a_refresh_parses_with_the_workers_its_executor_has(settings):
     assert workers({"multiprocess": {"max_concurrent": 3}}) == Workers(3)
     assert workers({"multiprocess": {}}) == Workers(settings.parse_workers)
     assert workers({"dask": {"address": "tcp://10.0.0.5:8786"}}) == Workers(dask="tcp://10.0.0.5:8786")
+
+
+def _wait_for(marker: str) -> str:
+    """A parse that lasts until the test creates `marker` (a file much slower than the rest), else returns at once;
+    gives up after a minute, so a broken scheduler fails the test instead of hanging it."""
+    if marker:
+        deadline = time.monotonic() + 60
+        while not Path(marker).exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        return "waited" if Path(marker).exists() else "gave up"
+    return "done"
+
+
+def test_workers_take_files_as_they_free_up_and_one_slow_file_holds_up_no_other(tmp_path):
+    """Results come as they finish, so the run stores them while a slow file is still parsing; files are read only
+    as workers free up (a bounded window), so a share of a million files is never held in memory at once."""
+    from pipelines.ingest.workers import AHEAD_PER_WORKER, isolated_map
+
+    marker = tmp_path / "slow file may finish"
+    handed_out = []
+
+    def files():
+        for i in range(40):
+            handed_out.append(i)
+            yield str(marker) if i == 0 else ""
+
+    results = isolated_map(_wait_for, files(), workers=2, timeout_s=120, memory_mb=4000)
+    first = [next(results) for _ in range(10)]
+    assert 0 not in [i for i, _ in first], "the other files waited for the slow one"
+    assert len(handed_out) <= 10 + 2 * AHEAD_PER_WORKER < 40
+    marker.touch()
+    rest = list(results)
+    assert sorted(i for i, _ in first + rest) == list(range(40))
+    assert dict(first + rest)[0] == "waited"
+
+
+def test_chunking_on_two_local_workers_drafts_what_one_process_drafts(conn, embedder, tmp_path):
+    """The chunk stage's batches go to the run's worker processes (the chunker is pure CPU) and come back to be
+    stored as they finish: the drafts are the ones this process cuts alone."""
+    from pipelines.ingest.chunk import chunk_pending
+    from pipelines.ingest.extract import extract
+    from pipelines.ingest.parse import parse_pending
+    from pipelines.ingest.workers import where
+    from pipelines.sources.declarations import load_sources
+
+    add_source(conn, declare("docs", parse_heavy_folder(tmp_path / "docs", pages=4)), "tests")
+    extract(conn, load_sources(conn))
+    parse_pending(conn, workers=2)
+    drafts = ("SELECT document_id, ordinal, kind, text, section_path, page_number, token_count FROM chunk_drafts"
+              " ORDER BY 1, 2")
+    alone = chunk_pending(conn, embedder.counter, batch_size=3)
+    assert "workers" not in alone.notes  # one worker: cut in this process
+    cut_here = conn.execute(drafts).fetchall()
+    conn.execute("DELETE FROM chunk_drafts")
+    spread = chunk_pending(conn, embedder.counter, batch_size=3, workers=2)
+    assert conn.execute(drafts).fetchall() == cut_here != []
+    assert spread.counts == alone.counts
+    batches = -(-alone.counts["documents"] // 3)
+    assert sum(spread.notes["workers"].values()) == batches and where() not in spread.notes["workers"]

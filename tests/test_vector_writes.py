@@ -115,3 +115,24 @@ def test_a_registered_model_whose_table_is_gone_gets_an_empty_one_and_the_purge_
     states = dict(conn.execute("SELECT model_key, state FROM embedding_models").fetchall())
     assert states == {"test:serving:4": "active", "test:dropped:4": "retired"} and vector_store.active_model(conn) == "test:serving:4"
     assert hnsw_index(conn, serving) and not hnsw_index(conn, "vectors_test_dropped_4")
+
+
+def test_each_shard_counts_the_vectors_it_reuses_in_its_own_shard_only(conn, embedder):
+    """A dask refresh embeds 16 shards; each shard's report counts the drafts of its shard whose vector is stored,
+    so that in all each draft is counted once (each shard used to probe the vectors for every draft)."""
+    from pipelines.ingest.chunk import chunk_pending
+    from pipelines.ingest.embed import SHARDS
+    from pipelines.ingest.enrich import enrich_pending
+    from pipelines.ingest.extract import extract
+    from pipelines.ingest.parse import parse_pending
+    from pipelines.sources.declarations import load_sources
+
+    add_source(conn, declare("samples", SAMPLES_DIR / "docs"), "tests")
+    extract(conn, load_sources(conn))
+    parse_pending(conn)
+    chunk_pending(conn, embedder.counter)
+    enrich_pending(conn, embedder.counter)
+    drafts = conn.execute("SELECT count(*) FROM chunk_drafts WHERE text_hash IS NOT NULL").fetchone()[0]
+    assert embed_pending(conn, embedder).counts["computed"] > 0  # drafts stay until publish
+    reused = [embed_pending(conn, embedder, shards=[shard]).counts["reused"] for shard in SHARDS]
+    assert sum(reused) == drafts and max(reused) < drafts

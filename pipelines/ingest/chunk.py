@@ -5,13 +5,19 @@ Drafts are the next version of a document's chunks, invisible to search until `p
 
 from __future__ import annotations
 
+from collections import Counter
+from dataclasses import replace
+from typing import Iterator
+
 import psycopg
 
-from pipelines.ingest.chunker import CHUNKER_VERSION, Chunker
+from pipelines.ingest.chunker import CHUNKER_VERSION, ChunkDraft, Chunker
 from pipelines.ingest.elements import load_elements
 from pipelines.ingest.enrich import ENRICH_VERSION
 from pipelines.ingest.failures import Failure, record_failure
+from pipelines.ingest.parse import warm_worker
 from pipelines.ingest.report import NO_PROGRESS, Progress, StageReport
+from pipelines.ingest.workers import Lost, Workers, spread_map
 from pipelines.models.tokens import TokenCounter
 from pipelines.settings import Limits
 from pipelines.storage import bulk
@@ -41,34 +47,72 @@ DRAFT_COLUMNS = ("document_id", "ordinal", "build_key", "kind", "text", "section
 
 
 def chunk_pending(conn: psycopg.Connection, counter: TokenCounter, source_ids: list[str] | None = None,
-                  batch_size: int = 256, progress: Progress = NO_PROGRESS,
-                  max_chunks: int = Limits.max_chunks_per_document) -> StageReport:
-    """Draft the chunks of every parsed document whose live chunks are not of its content and chunker. A document
-    with more than max_chunks chunks fails alone and keeps its last good version."""
+                  batch_size: int = 64, progress: Progress = NO_PROGRESS, limits: Limits = Limits(),
+                  workers: Workers | int = 1) -> StageReport:
+    """Draft the chunks of every parsed document whose live chunks are not of its content and chunker, a batch of
+    documents per transaction. A document with more than limits.max_chunks_per_document chunks fails alone and
+    keeps its last good version. The chunker is pure CPU (the tokenizer, the sentence splitter): with more than one
+    worker and more than one batch, batches are cut by the run's workers (`spread_map`, as parsing), each stored as
+    it comes back while the workers go on."""
     report = StageReport("chunk", ("documents", "chunks"))
-    chunker = Chunker(counter)
+    workers = workers if isinstance(workers, Workers) else Workers(workers)
     pending = conn.execute(TO_CHUNK, {"chunker": CHUNKER_VERSION, "enricher": ENRICH_VERSION, "ids": source_ids}).fetchall()
     progress.total(len(pending))
-    for start in range(0, len(pending), batch_size):
-        batch = pending[start:start + batch_size]
-        ids = [row[0] for row in batch]
-        elements = load_elements(conn, ids)
-        rows, too_long = [], []
-        for doc_id, content_hash, title, source_id, locator in batch:
-            drafts = chunker.chunk(elements[doc_id], title)
-            if len(drafts) > max_chunks:
-                too_long.append((Failure(source_id, locator, "chunk", f"{locator}: {len(drafts)} chunks, over the limit"
-                                         f" of {max_chunks} per document (KB_MAX_CHUNKS_PER_DOCUMENT)"), content_hash))
+    batches = [pending[start:start + batch_size] for start in range(0, len(pending), batch_size)]
+
+    def tasks() -> Iterator[tuple[str, tuple]]:
+        for n, batch in enumerate(batches):
+            elements = load_elements(conn, [row[0] for row in batch])
+            yield f"chunk batch {n}", (counter, [(elements[row[0]], row[2]) for row in batch])
+
+    if not workers.dask:
+        workers = replace(workers, processes=min(workers.processes, len(batches)))
+    if workers.dask or workers.processes > 1:
+        # no time or memory limit: the chunker is kb's own code on elements parsing already bounded, as in process
+        results = spread_map(_chunk_task, tasks(), workers, None, float("inf"), warm_worker)
+    else:
+        results = ((i, None, _chunk_task(task)) for i, (_, task) in enumerate(tasks()))
+    chunked_by: Counter[str] = Counter()
+    for i, worker, drafted in results:
+        batch = batches[i]
+        if worker is not None:
+            chunked_by[worker] += 1
+        if isinstance(drafted, Lost):
+            drafted = [drafted] * len(batch)
+        rows, failed = [], []
+        for (doc_id, content_hash, _, source_id, locator), drafts in zip(batch, drafted):
+            reason = _refused(drafts, limits.max_chunks_per_document)
+            if reason:
+                failed.append((Failure(source_id, locator, "chunk", f"{locator}: {reason}"), content_hash))
                 continue
             for ordinal, draft in enumerate(drafts):
                 rows.append((doc_id, ordinal, build_key(content_hash), draft.kind, draft.text,
                              draft.section_path, draft.page_number, draft.token_count))
         with conn.transaction():
-            conn.execute("DELETE FROM chunk_drafts WHERE document_id = ANY(%s)", (ids,))
+            conn.execute("DELETE FROM chunk_drafts WHERE document_id = ANY(%s)", ([row[0] for row in batch],))
             report.counts["chunks"] += bulk.copy_rows(conn, "chunk_drafts", DRAFT_COLUMNS, rows)
-            for failure, content_hash in too_long:
+            for failure, content_hash in failed:
                 report.fail(failure)
                 record_failure(conn, failure, content_hash)
-        report.counts["documents"] += len(batch) - len(too_long)
+        report.counts["documents"] += len(batch) - len(failed)
         progress.advance(len(batch))
+    if chunked_by:
+        report.notes["workers"] = dict(sorted(chunked_by.items()))  # batches per worker
     return report.finish()
+
+
+def _chunk_task(task: tuple) -> list[list[ChunkDraft]]:
+    """A batch's unit of work, here or on a worker: each document's drafts. The counter travels as its
+    constructor's arguments and is built once per process (see pipelines/models/tokens.py)."""
+    counter, documents = task
+    chunker = Chunker(counter)
+    return [chunker.chunk(elements, title) for elements, title in documents]
+
+
+def _refused(drafts: list[ChunkDraft] | Lost, max_chunks: int) -> str | None:
+    """Why a document's drafts are not stored: too many chunks, or its batch's worker was lost."""
+    if isinstance(drafts, Lost):
+        return f"chunking stopped: {drafts.reason}"
+    if len(drafts) > max_chunks:
+        return f"{len(drafts)} chunks, over the limit of {max_chunks} per document (KB_MAX_CHUNKS_PER_DOCUMENT)"
+    return None

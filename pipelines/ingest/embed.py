@@ -51,9 +51,13 @@ TO_EMBED = "CREATE TEMP TABLE kb_to_embed (text_hash text PRIMARY KEY, embed_tex
 PAGE = "SELECT text_hash, embed_text FROM kb_to_embed WHERE text_hash > %s ORDER BY text_hash LIMIT %s"
 SHARDS = tuple("0123456789abcdef")  # the first hex digit of a text hash
 
+# Drafts whose vector is already stored, within the same sources and shards as MISSING: a shard's report counts its
+# own shard (16 shards probe the vectors once in all, not 16 times over).
 REUSED = """
 SELECT count(*) FROM chunk_drafts c
 WHERE c.text_hash IS NOT NULL AND EXISTS (SELECT 1 FROM {vectors} v WHERE v.text_hash = c.text_hash)
+  AND (%(shards)s::text[] IS NULL OR left(c.text_hash, 1) = ANY(%(shards)s))
+  AND (%(ids)s::text[] IS NULL OR c.document_id IN (SELECT document_id FROM documents WHERE source_id = ANY(%(ids)s)))
 """
 
 
@@ -63,7 +67,7 @@ def embed_pending(conn: psycopg.Connection, embedder: Embedder, source_ids: list
     """Embed and store what the model lacks. `index`: drop the serving model's HNSW index before a large load and
     build it after (False when the caller does that once around several shards)."""
     report = StageReport("embed", ("computed", "reused", "index_deferred"))
-    table, dimensions = _store(conn, embedder, report)
+    table, dimensions = _store(conn, embedder, report, source_ids, shards)
     vectors = sql.Identifier(table)
     serving = index and active_model(conn) == embedder.model_key
     conn.execute("DROP TABLE IF EXISTS kb_to_embed")
@@ -90,10 +94,13 @@ def embed_pending(conn: psycopg.Connection, embedder: Embedder, source_ids: list
     return report.finish()
 
 
-def _store(conn: psycopg.Connection, embedder: Embedder, report: StageReport) -> tuple[str, int]:
-    """The model's table and dimension; counts the drafts whose vector is already stored into the report."""
+def _store(conn: psycopg.Connection, embedder: Embedder, report: StageReport, source_ids: list[str] | None,
+           shards: list[str] | None = None) -> tuple[str, int]:
+    """The model's table and dimension; counts the drafts (of these sources and shards) whose vector is already
+    stored into the report."""
     table, dimensions = model_store(conn, embedder)
-    report.counts["reused"] = conn.execute(sql.SQL(REUSED).format(vectors=sql.Identifier(table))).fetchone()[0]
+    report.counts["reused"] = conn.execute(sql.SQL(REUSED).format(vectors=sql.Identifier(table)),
+                                           {"shards": shards, "ids": source_ids}).fetchone()[0]
     return table, dimensions
 
 
@@ -110,7 +117,7 @@ def embed_on_dask(conn: psycopg.Connection, settings: Settings, embedders: list[
     report = StageReport("embed", ("computed", "reused", "index_deferred"))
     for other in embedders[1:]:
         model_store(conn, other)  # each model's table exists before 16 tasks would race to create it
-    table, _ = _store(conn, embedders[0], report)
+    table, _ = _store(conn, embedders[0], report, source_ids)
     missing = conn.execute(sql.SQL("SELECT count(*) FROM ({}) m").format(
         sql.SQL(MISSING).format(vectors=sql.Identifier(table))), {"shards": None, "ids": source_ids}).fetchone()[0]
     progress.total(missing)
@@ -120,7 +127,7 @@ def embed_on_dask(conn: psycopg.Connection, settings: Settings, embedders: list[
     shipped = replace(settings, database_url=database_url(settings))  # the database this run uses, not a new one
     tasks = [(shipped, [e.model_key for e in embedders], source_ids, shard, batch_size) for shard in SHARDS]
     embedded_by: Counter[str] = Counter()
-    for worker, result in dask_map(_embed_shard, tasks, address, [f"embed shard {shard}" for shard in SHARDS]):
+    for _, worker, result in dask_map(_embed_shard, [(f"embed shard {task[3]}", task) for task in tasks], address):
         if isinstance(result, Lost):
             raise RuntimeError(f"an embed shard was lost: {result.reason}; run the refresh again (it resumes)")
         embedded_by[worker] += 1

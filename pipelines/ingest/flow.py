@@ -53,7 +53,7 @@ def _chunk(run: "IngestRun", progress: Progress) -> StageReport:
     from pipelines.ingest.chunk import chunk_pending
 
     return chunk_pending(run.conn, run.embedder.counter, run.source_ids, progress=progress,
-                         max_chunks=run.settings.limits.max_chunks_per_document)
+                         limits=run.settings.limits, workers=run.workers)
 
 
 def _enrich(run: "IngestRun", progress: Progress) -> StageReport:

@@ -25,7 +25,9 @@ import zipfile
 from collections import Counter
 from dataclasses import replace
 from functools import lru_cache
+from itertools import count
 from pathlib import Path
+from typing import Iterator
 
 import psycopg
 
@@ -232,7 +234,8 @@ def parse_pending(conn: psycopg.Connection, source_ids: list[str] | None = None,
                   progress: Progress = NO_PROGRESS, workers: Workers | int = 1, limits: Limits = Limits(),
                   retry_failed: bool = False) -> StageReport:
     """Parse every document whose bytes changed since they were last parsed, by `workers` (local processes, or a
-    dask cluster's workers), a batch per transaction; the report's notes count the documents each worker parsed.
+    dask cluster's workers), stored a batch per transaction as they finish while the workers go on; the report's
+    notes count the documents each worker parsed.
     A document whose same bytes failed before is reported again from its record and not parsed (a zip bomb or a
     parser-hanging file costs nothing on later runs), unless `retry_failed`."""
     report = StageReport(STAGE, ("parsed", "elements", "failed_before"))
@@ -251,34 +254,46 @@ def parse_pending(conn: psycopg.Connection, source_ids: list[str] | None = None,
     if not workers.dask:  # one changed file starts one worker, not a pool of idle ones
         workers = replace(workers, processes=max(1, min(workers.processes, len(pending))))
     parsed_by: Counter[str] = Counter()
-    for start in range(0, len(pending), batch_size):
-        parsed, failed, sent, tasks = [], [], [], []
-        batch = pending[start:start + batch_size]
-        for doc_id, locator, doc_format, content_hash, root, source_id, allow, known_root in batch:
+    sent: dict[int, tuple] = {}
+    parsed: list[tuple] = []
+    failed: list[tuple[Failure, str]] = []
+
+    def readable() -> Iterator[tuple[str, tuple]]:
+        """Each pending file's bytes, read here (below its source root) when a worker is free for it; `sent` keys
+        its metadata by the task's position, which spread_map hands back with the result."""
+        position = count()
+        for doc_id, locator, doc_format, content_hash, root, source_id, allow, known_root in pending:
             data = _read(root, known_root, locator, allow, content_hash, limits)
             if isinstance(data, str):
                 failed.append((Failure(source_id, locator, STAGE, f"{Path(root) / locator}: {data}"), content_hash))
                 progress.advance()
                 continue
-            sent.append((doc_id, locator, content_hash, root, source_id))
-            tasks.append((data, locator, doc_format, limits))
-        names = [f"parse {source_id}:{locator}" for _, locator, _, _, source_id in sent]
-        results = spread_map(_parse_task, tasks, workers, limits.parse_timeout_s, limits.parse_memory_mb,
-                             warm_worker, names)
-        for (doc_id, locator, content_hash, root, source_id), (worker, result) in zip(sent, results):
-            if worker is not None:
-                parsed_by[worker] += 1
-            if isinstance(result, ParsedDocument):
-                parsed.append((doc_id, content_hash, result, source_id, locator))
-            else:
-                reason = result.reason if isinstance(result, Lost) else result
-                failed.append((Failure(source_id, locator, STAGE, f"{Path(root) / locator}: {reason}"), content_hash))
-            progress.advance()
-        failed += _store(conn, parsed, report)
+            sent[next(position)] = (doc_id, locator, content_hash, root, source_id)
+            yield f"parse {source_id}:{locator}", (data, locator, doc_format, limits)
+
+    def store() -> None:
+        failed.extend(_store(conn, parsed, report))
         for failure, content_hash in failed:
             report.fail(failure)
             with conn.transaction():
                 record_failure(conn, failure, content_hash)
+        parsed.clear()
+        failed.clear()
+
+    for i, worker, result in spread_map(_parse_task, readable(), workers, limits.parse_timeout_s,
+                                        limits.parse_memory_mb, warm_worker):
+        doc_id, locator, content_hash, root, source_id = sent.pop(i)
+        if worker is not None:
+            parsed_by[worker] += 1
+        if isinstance(result, ParsedDocument):
+            parsed.append((doc_id, content_hash, result, source_id, locator))
+        else:
+            reason = f"parsing stopped: {result.reason}" if isinstance(result, Lost) else result
+            failed.append((Failure(source_id, locator, STAGE, f"{Path(root) / locator}: {reason}"), content_hash))
+        progress.advance()
+        if len(parsed) + len(failed) >= batch_size:
+            store()
+    store()
     if parsed_by:
         report.notes["workers"] = dict(sorted(parsed_by.items()))
     return report.finish()

@@ -24,22 +24,26 @@ from __future__ import annotations
 import atexit
 import multiprocessing
 import os
+import queue
 import signal
 import socket
 import threading
 import uuid
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator
+from itertools import islice
+from typing import Any, Callable, Iterable, Iterator
 
 import psutil
 
 WATCH_INTERVAL_S = 0.1
+AHEAD_PER_WORKER = 4  # tasks handed out per worker at a time: each has its next ones queued, memory stays bounded
 
 
 @dataclass(frozen=True)
 class Lost:
-    """A task whose worker was stopped or died: why, in words for the failure record."""
+    """A task whose worker was stopped or died: why, in words for the failure record ("its worker ...": the caller
+    says what the task was doing)."""
 
     reason: str
 
@@ -163,30 +167,53 @@ def _memory_watchdog(limit_mb: float) -> Iterator[set[int]]:
         thread.join()
 
 
-def isolated_map(fn: Callable, tasks: list, workers: int, timeout_s: float, memory_mb: float,
-                 warm: Callable[[], None] | None = None) -> Iterator:
-    """fn(task) for each task in worker processes, yielded in order: the result, or Lost(reason) when the task's
-    worker ran past timeout_s, past memory_mb, or died. `warm` runs once in each new worker (imports)."""
+def isolated_map(fn: Callable, tasks: Iterable, workers: int, timeout_s: float | None, memory_mb: float,
+                 warm: Callable[[], None] | None = None) -> Iterator[tuple[int, Any]]:
+    """(i, fn(task)) for the i-th task, in worker processes, in the order they finish: the result, or Lost(reason)
+    when the task's worker ran past timeout_s (None: no limit), past memory_mb, or died. `warm` runs once in each
+    new worker (imports). Tasks are taken from `tasks` as workers free up (see `_as_finished`)."""
     from concurrent.futures import TimeoutError as TaskTimeout
 
     from pebble import ProcessExpired
 
-    futures = [_shared_pool(workers, warm).schedule(fn, args=(task,), timeout=timeout_s) for task in tasks]
+    pool = _shared_pool(workers, warm)
+    with _memory_watchdog(memory_mb) as killed:
+        for i, future in _as_finished(lambda _, task: pool.schedule(fn, args=(task,), timeout=timeout_s), tasks,
+                                      AHEAD_PER_WORKER * workers):
+            try:
+                yield i, future.result()
+            except TaskTimeout:
+                yield i, Lost(f"its worker ran past the time limit of {timeout_s:g} s (KB_PARSE_TIMEOUT_S) and was"
+                              " stopped")
+            except ProcessExpired as exc:
+                if exc.pid in killed:
+                    yield i, Lost(f"its worker used more than {memory_mb:g} MB of memory (KB_PARSE_MEMORY_MB) and was"
+                                  " stopped")
+                else:
+                    yield i, Lost(f"its worker died ({_exit_reason(exc.exitcode)})")
+
+
+def _as_finished(submit: Callable[[int, Any], Any], tasks: Iterable, window: int) -> Iterator[tuple[int, Any]]:
+    """(i, future) for each task as it finishes. A task is submitted when a slot frees up, at most `window`
+    unfinished at a time: the files' bytes in memory stay bounded however large the source, the caller stores
+    results while workers go on, and a slow task holds up no other (completion order, not submission order).
+    Works with any future that has add_done_callback (concurrent.futures, pebble, dask). Unfinished tasks are
+    cancelled when the caller stops early."""
+    finished: queue.SimpleQueue = queue.SimpleQueue()
+    running: dict = {}
+    numbered = enumerate(tasks)
     try:
-        with _memory_watchdog(memory_mb) as killed:
-            for future in futures:
-                try:
-                    yield future.result()
-                except TaskTimeout:
-                    yield Lost(f"parsing took longer than {timeout_s:g} s (KB_PARSE_TIMEOUT_S); its worker was stopped")
-                except ProcessExpired as exc:
-                    if exc.pid in killed:
-                        yield Lost(f"parsing used more than {memory_mb:g} MB of memory (KB_PARSE_MEMORY_MB);"
-                                   " its worker was stopped")
-                    else:
-                        yield Lost(f"the parse worker died ({_exit_reason(exc.exitcode)}) while reading it")
+        while True:
+            for i, task in islice(numbered, max(0, window - len(running))):
+                future = submit(i, task)
+                running[future] = i
+                future.add_done_callback(finished.put)
+            if not running:
+                return
+            future = finished.get()
+            yield running.pop(future), future
     finally:
-        for future in futures:
+        for future in running:
             future.cancel()
 
 
@@ -204,18 +231,19 @@ def _located(call: tuple) -> tuple[str, Any]:
     return where(), fn(task)
 
 
-def spread_map(fn: Callable, tasks: list, workers: Workers, timeout_s: float, memory_mb: float,
-               warm: Callable[[], None] | None = None, names: list[str] | None = None
-               ) -> Iterator[tuple[str | None, Any]]:
-    """(where, fn(task)) for each task, yielded in order, computed by `workers` (see the module's docstring), each
-    in an isolated process under the time and memory limits; `where` names the process that did it (None for a
-    Lost task). `names` label the tasks on a dask cluster (its dashboard, its logs), one per task."""
+def spread_map(fn: Callable, tasks: Iterable[tuple[str, Any]], workers: Workers, timeout_s: float | None,
+               memory_mb: float, warm: Callable[[], None] | None = None) -> Iterator[tuple[int, str | None, Any]]:
+    """(i, where, fn(task)) for the i-th of the (name, task) pairs, in the order they finish, computed by `workers`
+    (see the module's docstring), each in an isolated process under the time and memory limits; `where` names the
+    process that did it (None for a Lost task); `name` labels the task on a dask cluster (its dashboard, its
+    logs)."""
     if workers.dask:
-        isolated = [(fn, task, timeout_s, memory_mb, warm) for task in tasks]
-        yield from dask_map(_isolated_on_dask_worker, isolated, workers.dask, names or [""] * len(tasks))
+        isolated = ((name, (fn, task, timeout_s, memory_mb, warm)) for name, task in tasks)
+        yield from dask_map(_isolated_on_dask_worker, isolated, workers.dask)
         return
-    for result in isolated_map(_located, [(fn, task) for task in tasks], workers.processes, timeout_s, memory_mb, warm):
-        yield (None, result) if isinstance(result, Lost) else result
+    located = ((fn, task) for _, task in tasks)
+    for i, result in isolated_map(_located, located, workers.processes, timeout_s, memory_mb, warm):
+        yield (i, None, result) if isinstance(result, Lost) else (i, *result)
 
 
 @contextmanager
@@ -241,25 +269,26 @@ def dask_client(address: str) -> Iterator:
         yield client
 
 
-def dask_map(fn: Callable, tasks: list, address: str, names: list[str]) -> Iterator[tuple[str | None, Any]]:
-    """(where, fn(task)) for each task, yielded in order, computed in the processes of the dask cluster's workers
-    (no limits of their own: for trusted work such as embedding, whose model a worker loads once); a task whose
-    workers died past allowed-failures is (None, Lost)."""
+def dask_map(fn: Callable, tasks: Iterable[tuple[str, Any]], address: str
+             ) -> Iterator[tuple[int, str | None, Any]]:
+    """(i, where, fn(task)) for the i-th of the (name, task) pairs, in the order they finish, computed in the
+    processes of the dask cluster's workers (no limits of their own: for trusted work such as embedding, whose model
+    a worker loads once); a task whose workers died past allowed-failures is (i, None, Lost)."""
     from distributed import KilledWorker
 
     run = uuid.uuid4().hex[:8]  # task keys are unique per run: a rerun must not pick up an old run's results
     with dask_client(address) as client:
-        futures = [client.submit(_located, (fn, task), key=f"kb {name} {run}-{i}", pure=False)
-                   for i, (task, name) in enumerate(zip(tasks, names))]
-        try:
-            for future in futures:
-                try:
-                    yield future.result()
-                except KilledWorker as exc:
-                    yield None, Lost(f"{exc.allowed_failures + 1} dask workers died while working on it"
-                                     " (distributed.scheduler.allowed-failures); it was not retried again")
-        finally:
-            client.cancel(futures)
+        window = AHEAD_PER_WORKER * max(1, sum(client.nthreads().values()))
+
+        def submit(i: int, named: tuple[str, Any]):
+            return client.submit(_located, (fn, named[1]), key=f"kb {named[0]} {run}-{i}", pure=False)
+
+        for i, future in _as_finished(submit, tasks, window):
+            try:
+                yield (i, *future.result())
+            except KilledWorker as exc:
+                yield i, None, Lost(f"{exc.allowed_failures + 1} dask workers died while working on it"
+                                    " (distributed.scheduler.allowed-failures); it was not retried again")
 
 
 def _isolated_on_dask_worker(call: tuple) -> Any:
@@ -268,5 +297,5 @@ def _isolated_on_dask_worker(call: tuple) -> Any:
     from distributed import get_worker
 
     fn, task, timeout_s, memory_mb, warm = call
-    result, = isolated_map(fn, [task], get_worker().state.nthreads, timeout_s, memory_mb, warm)
+    (_, result), = isolated_map(fn, [task], get_worker().state.nthreads, timeout_s, memory_mb, warm)
     return result

@@ -33,6 +33,11 @@ class WordPieceCounter:
         self._tokenizer.no_padding()
         self._tokenizer.no_truncation()
         self.max_tokens = max_sequence - 2
+        self._args = (tokenizer_json, max_sequence)
+
+    def __reduce__(self):
+        """Sent to a worker process (the chunk stage's) as its arguments; the worker builds it once."""
+        return wordpiece_counter, self._args
 
     def count(self, texts: list[str]) -> list[int]:
         # encode_batch_fast skips the character offsets a count never reads (the chunker's most frequent call)
@@ -42,9 +47,13 @@ class WordPieceCounter:
         return [end for _, end in self._tokenizer.encode(text, add_special_tokens=False).offsets]
 
 
-@lru_cache(maxsize=1)
+@lru_cache(maxsize=4)
+def wordpiece_counter(tokenizer_json: Path, max_sequence: int = 256) -> WordPieceCounter:
+    return WordPieceCounter(tokenizer_json, max_sequence)
+
+
 def local_counter() -> WordPieceCounter:
-    return WordPieceCounter(local_model_dir() / "tokenizer.json")
+    return wordpiece_counter(local_model_dir() / "tokenizer.json")
 
 
 class TiktokenCounter:
@@ -53,6 +62,11 @@ class TiktokenCounter:
     def __init__(self, cache_dir: Path, max_tokens: int = 8191):
         self._encoding = _offline_cl100k(cache_dir)
         self.max_tokens = max_tokens
+        self._args = (cache_dir, max_tokens)
+
+    def __reduce__(self):
+        """Sent to a worker process as its arguments; the worker builds it once."""
+        return tiktoken_counter, self._args
 
     def count(self, texts: list[str]) -> list[int]:
         return [len(ids) for ids in self._encoding.encode_ordinary_batch(texts)]
@@ -60,6 +74,11 @@ class TiktokenCounter:
     def token_ends(self, text: str) -> list[int]:
         _, starts = self._encoding.decode_with_offsets(self._encoding.encode_ordinary(text))
         return starts[1:] + [len(text)]
+
+
+@lru_cache(maxsize=4)
+def tiktoken_counter(cache_dir: Path, max_tokens: int = 8191) -> TiktokenCounter:
+    return TiktokenCounter(cache_dir, max_tokens)
 
 
 def _offline_cl100k(cache_dir: Path):
