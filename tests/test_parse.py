@@ -114,6 +114,24 @@ def test_sentences_and_a_parse_worker_load_without_torch():
     assert out.stdout.strip() == "False"
 
 
+def test_nothing_to_parse_starts_no_worker_and_asks_no_scheduler(conn, tmp_path: Path):
+    from pipelines.ingest import parse, workers
+    from pipelines.ingest.extract import extract
+    from pipelines.sources.declarations import add_source, declare, load_sources
+
+    folder = tmp_path / "one"
+    folder.mkdir()
+    (folder / "note.md").write_text("# Note\n\nOne small page.\n")
+    add_source(conn, declare("one", folder), "tests")
+    extract(conn, load_sources(conn))
+    assert parse.parse_pending(conn, workers=2).counts["parsed"] == 1
+    workers._stop_pool()
+    assert parse.parse_pending(conn, workers=2).counts["parsed"] == 0
+    assert workers._pool is None, "a refresh with nothing to parse started the worker pool"
+    nobody = workers.Workers(dask="tcp://127.0.0.1:9")  # nothing listens: asking it would fail the run
+    assert parse.parse_pending(conn, workers=nobody).counts["parsed"] == 0
+
+
 def test_one_changed_file_starts_one_worker_not_a_pool(conn, tmp_path: Path, monkeypatch):
     from pipelines.ingest import parse, workers
     from pipelines.ingest.extract import extract

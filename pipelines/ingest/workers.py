@@ -31,7 +31,7 @@ import threading
 import uuid
 from contextlib import contextmanager
 from dataclasses import dataclass
-from itertools import islice
+from itertools import chain, islice
 from typing import Any, Callable, Iterable, Iterator
 
 import psutil
@@ -236,7 +236,12 @@ def spread_map(fn: Callable, tasks: Iterable[tuple[str, Any]], workers: Workers,
     """(i, where, fn(task)) for the i-th of the (name, task) pairs, in the order they finish, computed by `workers`
     (see the module's docstring), each in an isolated process under the time and memory limits; `where` names the
     process that did it (None for a Lost task); `name` labels the task on a dask cluster (its dashboard, its
-    logs)."""
+    logs). Nothing to do starts no worker and asks no scheduler (a no-op refresh stays instant)."""
+    tasks = iter(tasks)
+    first = next(tasks, None)
+    if first is None:
+        return
+    tasks = chain([first], tasks)
     if workers.dask:
         isolated = ((name, (fn, task, timeout_s, memory_mb, warm)) for name, task in tasks)
         yield from dask_map(_isolated_on_dask_worker, isolated, workers.dask)
