@@ -17,7 +17,7 @@ from pipelines.ingest.enrich import ENRICH_VERSION
 from pipelines.ingest.failures import Failure, record_failure
 from pipelines.ingest.parse import warm_worker
 from pipelines.ingest.report import NO_PROGRESS, Progress, StageReport
-from pipelines.ingest.workers import Lost, Workers, spread_map
+from pipelines.ingest.workers import Lost, Workers, pool_running, spread_map
 from pipelines.models.tokens import TokenCounter
 from pipelines.settings import Limits
 from pipelines.storage import bulk
@@ -43,6 +43,10 @@ WHERE d.deleted_at IS NULL AND d.parsed_hash = d.content_hash
 ORDER BY d.document_id
 """
 
+# Below this many batches the chunker runs in this process, unless the parse stage already started the workers:
+# starting them (each imports unstructured and spaCy, 1-3 s) costs more than chunking a few hundred documents.
+SPREAD_FROM_BATCHES = 8
+
 DRAFT_COLUMNS = ("document_id", "ordinal", "build_key", "kind", "text", "section_path", "page_number", "token_count")
 
 
@@ -52,8 +56,8 @@ def chunk_pending(conn: psycopg.Connection, counter: TokenCounter, source_ids: l
     """Draft the chunks of every parsed document whose live chunks are not of its content and chunker, a batch of
     documents per transaction. A document with more than limits.max_chunks_per_document chunks fails alone and
     keeps its last good version. The chunker is pure CPU (the tokenizer, the sentence splitter): with more than one
-    worker and more than one batch, batches are cut by the run's workers (`spread_map`, as parsing), each stored as
-    it comes back while the workers go on."""
+    worker and enough batches (SPREAD_FROM_BATCHES, or a pool the parse stage started), batches are cut by the run's
+    workers (`spread_map`, as parsing), each stored as it comes back while the workers go on."""
     report = StageReport("chunk", ("documents", "chunks"))
     workers = workers if isinstance(workers, Workers) else Workers(workers)
     pending = conn.execute(TO_CHUNK, {"chunker": CHUNKER_VERSION, "enricher": ENRICH_VERSION, "ids": source_ids}).fetchall()
@@ -67,7 +71,7 @@ def chunk_pending(conn: psycopg.Connection, counter: TokenCounter, source_ids: l
 
     if not workers.dask:
         workers = replace(workers, processes=min(workers.processes, len(batches)))
-    if workers.dask or workers.processes > 1:
+    if _on_workers(workers, len(batches)):
         # no time or memory limit: the chunker is kb's own code on elements parsing already bounded, as in process
         results = spread_map(_chunk_task, tasks(), workers, None, float("inf"), warm_worker)
     else:
@@ -99,6 +103,13 @@ def chunk_pending(conn: psycopg.Connection, counter: TokenCounter, source_ids: l
     if chunked_by:
         report.notes["workers"] = dict(sorted(chunked_by.items()))  # batches per worker
     return report.finish()
+
+
+def _on_workers(workers: Workers, batches: int) -> bool:
+    """Whether the chunker runs on the run's workers rather than in this process (see SPREAD_FROM_BATCHES)."""
+    if workers.dask:
+        return batches >= SPREAD_FROM_BATCHES
+    return workers.processes > 1 and (batches >= SPREAD_FROM_BATCHES or pool_running(workers.processes, warm_worker))
 
 
 def _chunk_task(task: tuple) -> list[list[ChunkDraft]]:

@@ -120,6 +120,11 @@ def _start_in_lasting_thread(pool) -> threading.Event:
     return stop
 
 
+def pool_running(workers: int, warm: Callable[[], None] | None) -> bool:
+    """Whether this process already holds the pool that `isolated_map(..., workers, ..., warm)` would use."""
+    return _pool is not None and _pool[0] == (workers, warm) and _pool[1].active
+
+
 @atexit.register
 def _stop_pool() -> None:
     global _pool
