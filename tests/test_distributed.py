@@ -304,3 +304,19 @@ def test_chunking_on_two_local_workers_drafts_what_one_process_drafts(conn, embe
     small = chunk_pending(conn, embedder.counter, batch_size=3, workers=2)
     assert "workers" not in small.notes and workers._pool is None
     assert conn.execute(drafts).fetchall() == cut_here
+
+
+def test_a_token_counter_travels_to_a_worker_as_what_to_build_not_as_this_machines_paths(tmp_path):
+    """A dask worker on another machine has the model's package and its state folder elsewhere: the chunk stage's
+    counters are sent as what to build there (they once carried this machine's absolute paths)."""
+    import pickle
+
+    from pipelines.models.tokens import TiktokenCounter, local_counter, local_model_dir
+
+    sent = pickle.dumps(local_counter())
+    assert str(local_model_dir()).encode() not in sent
+    assert pickle.loads(sent).count(["valve 7 pressure"]) == local_counter().count(["valve 7 pressure"])
+    openai = TiktokenCounter(tmp_path / "state" / "tiktoken")
+    sent = pickle.dumps(openai)
+    assert str(tmp_path).encode() not in sent
+    assert pickle.loads(sent).count(["valve 7 pressure"]) == openai.count(["valve 7 pressure"])

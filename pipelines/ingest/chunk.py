@@ -17,7 +17,7 @@ from pipelines.ingest.enrich import ENRICH_VERSION
 from pipelines.ingest.failures import Failure, record_failure
 from pipelines.ingest.parse import warm_worker
 from pipelines.ingest.report import NO_PROGRESS, Progress, StageReport
-from pipelines.ingest.workers import Lost, Workers, pool_running, spread_map
+from pipelines.ingest.workers import Lost, Workers, running_pool, spread_map
 from pipelines.models.tokens import TokenCounter
 from pipelines.settings import Limits
 from pipelines.storage import bulk
@@ -69,11 +69,10 @@ def chunk_pending(conn: psycopg.Connection, counter: TokenCounter, source_ids: l
             elements = load_elements(conn, [row[0] for row in batch])
             yield f"chunk batch {n}", (counter, [(elements[row[0]], row[2]) for row in batch])
 
-    if not workers.dask:
-        workers = replace(workers, processes=min(workers.processes, len(batches)))
-    if _on_workers(workers, len(batches)):
+    spread = _spread_to(workers, len(batches))
+    if spread:
         # no time or memory limit: the chunker is kb's own code on elements parsing already bounded, as in process
-        results = spread_map(_chunk_task, tasks(), workers, None, float("inf"), warm_worker)
+        results = spread_map(_chunk_task, tasks(), spread, None, float("inf"), warm_worker)
     else:
         results = ((i, None, _chunk_task(task)) for i, (_, task) in enumerate(tasks()))
     chunked_by: Counter[str] = Counter()
@@ -105,11 +104,16 @@ def chunk_pending(conn: psycopg.Connection, counter: TokenCounter, source_ids: l
     return report.finish()
 
 
-def _on_workers(workers: Workers, batches: int) -> bool:
-    """Whether the chunker runs on the run's workers rather than in this process (see SPREAD_FROM_BATCHES)."""
+def _spread_to(workers: Workers, batches: int) -> Workers | None:
+    """The workers that cut the batches, or None to cut them in this process (see SPREAD_FROM_BATCHES). A pool the
+    parse stage started is used at its size, never stopped for one of another size."""
     if workers.dask:
-        return batches >= SPREAD_FROM_BATCHES
-    return workers.processes > 1 and (batches >= SPREAD_FROM_BATCHES or pool_running(workers.processes, warm_worker))
+        return workers if batches >= SPREAD_FROM_BATCHES else None
+    running = running_pool(warm_worker)
+    if workers.processes > 1 and running > 1 and batches > 1:
+        return replace(workers, processes=running)
+    processes = min(workers.processes, batches)
+    return replace(workers, processes=processes) if processes > 1 and batches >= SPREAD_FROM_BATCHES else None
 
 
 def _chunk_task(task: tuple) -> list[list[ChunkDraft]]:

@@ -267,6 +267,8 @@ def parse_pending(conn: psycopg.Connection, source_ids: list[str] | None = None,
             if isinstance(data, str):
                 failed.append((Failure(source_id, locator, STAGE, f"{Path(root) / locator}: {data}"), content_hash))
                 progress.advance()
+                if len(parsed) + len(failed) >= batch_size:  # an unmounted share: recorded as it goes, not held
+                    store()
                 continue
             sent[next(position)] = (doc_id, locator, content_hash, root, source_id)
             yield f"parse {source_id}:{locator}", (data, locator, doc_format, limits)

@@ -38,6 +38,7 @@ import psutil
 
 WATCH_INTERVAL_S = 0.1
 AHEAD_PER_WORKER = 4  # tasks handed out per worker at a time: each has its next ones queued, memory stays bounded
+DASK_MIN_WINDOW = 16
 
 
 @dataclass(frozen=True)
@@ -120,9 +121,10 @@ def _start_in_lasting_thread(pool) -> threading.Event:
     return stop
 
 
-def pool_running(workers: int, warm: Callable[[], None] | None) -> bool:
-    """Whether this process already holds the pool that `isolated_map(..., workers, ..., warm)` would use."""
-    return _pool is not None and _pool[0] == (workers, warm) and _pool[1].active
+def running_pool(warm: Callable[[], None] | None) -> int:
+    """How many workers the pool this process already holds for `warm` has (0: none), so that a later stage uses
+    it at its size instead of stopping it for a pool of another size."""
+    return _pool[0][0] if _pool is not None and _pool[0][1] is warm and _pool[1].active else 0
 
 
 @atexit.register
@@ -249,7 +251,8 @@ def spread_map(fn: Callable, tasks: Iterable[tuple[str, Any]], workers: Workers,
     tasks = chain([first], tasks)
     if workers.dask:
         isolated = ((name, (fn, task, timeout_s, memory_mb, warm)) for name, task in tasks)
-        yield from dask_map(_isolated_on_dask_worker, isolated, workers.dask)
+        for i, worker, result in dask_map(_isolated_on_dask_worker, isolated, workers.dask):
+            yield i, None if isinstance(result, Lost) else worker, result  # a worker's own pool lost it there
         return
     located = ((fn, task) for _, task in tasks)
     for i, result in isolated_map(_located, located, workers.processes, timeout_s, memory_mb, warm):
@@ -288,7 +291,8 @@ def dask_map(fn: Callable, tasks: Iterable[tuple[str, Any]], address: str
 
     run = uuid.uuid4().hex[:8]  # task keys are unique per run: a rerun must not pick up an old run's results
     with dask_client(address) as client:
-        window = AHEAD_PER_WORKER * max(1, sum(client.nthreads().values()))
+        # at least DASK_MIN_WINDOW: workers still connecting, or a cluster that scales up when work is queued
+        window = max(DASK_MIN_WINDOW, AHEAD_PER_WORKER * sum(client.nthreads().values()))
 
         def submit(i: int, named: tuple[str, Any]):
             return client.submit(_located, (fn, named[1]), key=f"kb {named[0]} {run}-{i}", pure=False)

@@ -36,8 +36,11 @@ class WordPieceCounter:
         self._args = (tokenizer_json, max_sequence)
 
     def __reduce__(self):
-        """Sent to a worker process (the chunk stage's) as its arguments; the worker builds it once."""
-        return wordpiece_counter, self._args
+        """Sent to a worker process (the chunk stage's) as what to build, not as a path of this machine: a dask
+        worker elsewhere has the model's package at its own path; it builds the counter once."""
+        if self._args == (local_model_dir() / "tokenizer.json", 256):
+            return local_counter, ()
+        return WordPieceCounter, self._args
 
     def count(self, texts: list[str]) -> list[int]:
         # encode_batch_fast skips the character offsets a count never reads (the chunker's most frequent call)
@@ -47,13 +50,9 @@ class WordPieceCounter:
         return [end for _, end in self._tokenizer.encode(text, add_special_tokens=False).offsets]
 
 
-@lru_cache(maxsize=4)
-def wordpiece_counter(tokenizer_json: Path, max_sequence: int = 256) -> WordPieceCounter:
-    return WordPieceCounter(tokenizer_json, max_sequence)
-
-
+@lru_cache(maxsize=1)
 def local_counter() -> WordPieceCounter:
-    return wordpiece_counter(local_model_dir() / "tokenizer.json")
+    return WordPieceCounter(local_model_dir() / "tokenizer.json")
 
 
 class TiktokenCounter:
@@ -62,11 +61,11 @@ class TiktokenCounter:
     def __init__(self, cache_dir: Path, max_tokens: int = 8191):
         self._encoding = _offline_cl100k(cache_dir)
         self.max_tokens = max_tokens
-        self._args = (cache_dir, max_tokens)
 
     def __reduce__(self):
-        """Sent to a worker process as its arguments; the worker builds it once."""
-        return tiktoken_counter, self._args
+        """Sent to a worker process as what to build: the worker seeds its own cache (this machine's state folder
+        may not exist there) and builds it once."""
+        return worker_tiktoken_counter, (self.max_tokens,)
 
     def count(self, texts: list[str]) -> list[int]:
         return [len(ids) for ids in self._encoding.encode_ordinary_batch(texts)]
@@ -77,8 +76,10 @@ class TiktokenCounter:
 
 
 @lru_cache(maxsize=4)
-def tiktoken_counter(cache_dir: Path, max_tokens: int = 8191) -> TiktokenCounter:
-    return TiktokenCounter(cache_dir, max_tokens)
+def worker_tiktoken_counter(max_tokens: int) -> TiktokenCounter:
+    import tempfile
+
+    return TiktokenCounter(Path(tempfile.gettempdir()) / "kb-tiktoken", max_tokens)
 
 
 def _offline_cl100k(cache_dir: Path):
