@@ -117,8 +117,8 @@ def _spread_to(workers: Workers, batches: int) -> Workers | None:
 
 
 def _chunk_task(task: tuple) -> list[list[ChunkDraft]]:
-    """A batch's unit of work, here or on a worker: each document's drafts. The counter travels as its
-    constructor's arguments and is built once per process (see pipelines/models/tokens.py)."""
+    """A batch's unit of work, here or on a worker: each document's drafts. The counter travels as what to build,
+    not as this machine's paths, and is built once per process (see pipelines/models/tokens.py)."""
     counter, documents = task
     chunker = Chunker(counter)
     return [chunker.chunk(elements, title) for elements, title in documents]
