@@ -19,8 +19,9 @@ import psycopg
 from psycopg import sql
 
 # The tables a chunk costs bytes in, and the stored columns of `chunks` worth seeing one by one.
-TABLES = ("chunks", "lexical_postings")
-CHUNK_COLUMNS = ("text", "embed_text", "search_tsv", "entities", "section_path", "text_hash")
+# lexical_postings_closed holds what lexical_postings held with live = false before sql/014.
+TABLES = ("chunks", "lexical_postings", "lexical_postings_closed")
+CHUNK_COLUMNS = ("text", "embed_text", "embed_prefix", "search_tsv", "entities", "section_path", "text_hash")
 
 RELATIONS = """
 SELECT t.relname, 'heap', pg_relation_size(t.oid) + pg_relation_size(t.oid, 'fsm') + pg_relation_size(t.oid, 'vm')
@@ -40,9 +41,11 @@ def breakdown(conn: psycopg.Connection, vector_table: str, chunks: int) -> dict:
     """{"relations": [[table, part, bytes per chunk]], "chunk_columns": {column: average stored bytes per row},
     "rows": {table: rows}, "bytes_per_chunk": total}: per live chunk, history included in the numerator."""
     tables = [*TABLES, vector_table]
+    tables = [t for t in tables if conn.execute("SELECT to_regclass(%s)", (t,)).fetchone()[0]]  # any schema version
     rows = conn.execute(RELATIONS, {"tables": tables}).fetchall()
-    present = {name for (name,) in conn.execute(
-        "SELECT attname FROM pg_attribute WHERE attrelid = 'chunks'::regclass AND attnum > 0 AND NOT attisdropped")}
+    present = {name for (name,) in conn.execute(  # stored columns only: a virtual one costs no bytes
+        "SELECT attname FROM pg_attribute WHERE attrelid = 'chunks'::regclass AND attnum > 0 AND NOT attisdropped"
+        " AND attgenerated <> 'v'")}
     columns = [c for c in CHUNK_COLUMNS if c in present]
     averages = conn.execute(sql.SQL("SELECT {} FROM chunks").format(sql.SQL(", ").join(
         sql.SQL("coalesce(avg(pg_column_size({})), 0)").format(sql.Identifier(c)) for c in columns))).fetchone()

@@ -49,7 +49,7 @@ def build(conn: psycopg.Connection, chunks: int, seed: int = 7, batch: int = 20_
     for source_id, groups in dict(SOURCES).items():
         conn.execute("INSERT INTO sources (source_id, kind, location, allowed_groups) VALUES (%s, 'folder', %s, %s)"
                      " ON CONFLICT DO NOTHING", (source_id, f"/synthetic/{source_id}", groups))
-    columns = ("document_id", "ordinal", "kind", "text", "embed_text", "text_hash", "section_path", "token_count",
+    columns = ("document_id", "ordinal", "kind", "text", "embed_prefix", "text_hash", "section_path", "token_count",
                "chunker_version", "enrich_version", "entities", "valid_from", "valid_to")
     for start in range(0, chunks, batch):
         count = min(batch, chunks - start)
@@ -61,7 +61,7 @@ def build(conn: psycopg.Connection, chunks: int, seed: int = 7, batch: int = 20_
                                     ([f"doc-{d}" for d in docs],)).fetchall())
             live = [(start + i, " ".join(words(rng, 120)), f"s{start + i:012d}") for i in range(count)]
             closed = [(n, " ".join(words(rng, 120)), f"o{n:012d}") for n, _, _ in live if (n // 10) % HISTORY_EVERY == 0]
-            rows = [(ids[f"doc-{n // 10}"], n % 10, "text", t, t, h, [], 160, "synthetic", "synthetic",
+            rows = [(ids[f"doc-{n // 10}"], n % 10, "text", t, "", h, [], 160, "synthetic", "synthetic",
                      Jsonb({"codes": [f"C-{(n // 10) % CODES}"]}), valid_from, valid_to)
                     for rows_, valid_from, valid_to in ((live, LIVE_SINCE, None), (closed, CLOSED_FROM, CLOSED_TO))
                     for n, t, h in rows_]

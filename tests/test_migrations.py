@@ -1,6 +1,7 @@
 """The migration runner against a real PostgreSQL."""
 
 import shutil
+from pathlib import Path
 
 import numpy as np
 import psycopg
@@ -10,6 +11,7 @@ from pipelines.retrieval.search import search
 from pipelines.settings import SQL_DIR
 from pipelines.storage.database import connect
 from pipelines.storage.migrations import migrate, migration_files
+from pipelines.storage.vectors import ensure_vector_store
 
 
 def test_migrations_are_recorded_and_a_second_run_applies_nothing(conn):
@@ -31,15 +33,28 @@ def test_an_edited_applied_migration_is_refused(conn, tmp_path):
 
 
 POSTINGS = "SELECT term, chunk_id, tf, length, live, source_key, in_body FROM lexical_postings ORDER BY 1, 2"
+# The postings of sql/014 on, in the same shape (live: which table holds them; in body: lexemes of the chunk's text).
+POSTINGS_014 = """
+SELECT t.term, p.chunk_id, p.tf, p.length, p.live, t.source_key,
+       t.term = ANY(tsvector_to_array(kb_lexemes(c.text))) AS in_body
+FROM (SELECT *, true AS live FROM lexical_postings UNION ALL SELECT *, false FROM lexical_postings_closed) p
+JOIN lexical_terms t USING (term_key) JOIN chunks c USING (chunk_id)
+ORDER BY 1, 2
+"""
+TERMS = "SELECT term, source_key, df, postings FROM lexical_terms WHERE postings > 0 ORDER BY 1, 2"
+# The BM25 trigger functions as they were before sql/014, which changed the postings they write.
+FUNCTIONS_BEFORE_014 = Path(__file__).parent / "data" / "lexical_functions_before_014.sql"
 
 
 def _migrations_through(tmp_path, last: int):
-    """A copy of sql/ without the migrations after `last` (today's function files apply to either schema)."""
-    old = tmp_path / "sql"
+    """A copy of sql/ without the migrations after `last`, with the function files of that schema."""
+    old = tmp_path / f"sql-{last}"
     shutil.copytree(SQL_DIR, old)
     for version, path in migration_files(old):
         if version > last:
             path.unlink()
+    if last < 14:
+        shutil.copy(FUNCTIONS_BEFORE_014, old / "functions" / "lexical.sql")
     return old
 
 
@@ -71,7 +86,7 @@ def test_lean_storage_migrates_a_database_built_before_it_in_place(settings, tmp
         size = "SELECT pg_column_size(embedding) FROM vectors_old_4 LIMIT 1"
         assert raw.execute(size).fetchone()[0] == 5 + 4 * 4  # a 5-byte header, then 4 bytes a dimension
 
-        assert migrate(raw) == ["013_lean_storage.sql"]
+        assert migrate(raw, _migrations_through(tmp_path, 13)) == ["013_lean_storage.sql"]
         assert raw.execute(POSTINGS).fetchall() == postings, "every posting kept, live and closed"
         assert raw.execute("SELECT format_type(atttypid, atttypmod) FROM pg_attribute WHERE attrelid ="
                            " 'vectors_old_4'::regclass AND attname = 'embedding'").fetchone()[0] == "halfvec(4)"
@@ -91,11 +106,67 @@ def test_lean_storage_migrates_a_database_built_before_it_in_place(settings, tmp
         assert [h.content for h in dense] == ["Encoder cable HR-2024-047 replaced", "The drive belt was replaced twice"]
         assert [h.content for h in search(conn, None, "HR-2024-047 cable", 1, arm="lexical", vector=query,
                                        model_key="old:4")] == ["Encoder cable HR-2024-047 replaced"]
-        conn.execute("INSERT INTO chunks (document_id, ordinal, kind, text, embed_text, text_hash, section_path,"
+        conn.execute("INSERT INTO chunks (document_id, ordinal, kind, text, embed_prefix, text_hash, section_path,"
                      " token_count, chunker_version, enrich_version) VALUES (%s, 3, 'text', 'A new gearbox',"
-                     " 'Manual\n\nA new gearbox', 'gear', '{}', 4, 'c', 'e')", (document,))
-        assert conn.execute("SELECT term, tf, live, in_body FROM lexical_postings p JOIN chunks c USING (chunk_id)"
-                            " WHERE c.text_hash = 'gear' ORDER BY term").fetchall() == [
+                     " 'Manual\n\n', 'gear', '{}', 4, 'c', 'e')", (document,))
+        assert conn.execute(f"SELECT term, tf, live, in_body FROM ({POSTINGS_014}) p WHERE chunk_id ="
+                            " (SELECT chunk_id FROM chunks WHERE text_hash = 'gear') ORDER BY term").fetchall() == [
             ("gearbox", 1, True, True), ("manual", 1, True, False), ("new", 1, True, True)]
         hits = search(conn, None, "gearbox", 1, arm="lexical", vector=query, model_key="old:4")
         assert [h.content for h in hits] == ["A new gearbox"]
+
+
+def test_compact_postings_migrate_a_database_built_before_them_in_place(settings, tmp_path):
+    """sql/014: every posting, live and closed, keeps its term, chunk, tf and length, now keyed by term_key in the
+    table of its chunk's state; term statistics and lengths are unchanged; chunks keep their embedded text, now
+    computed from a stored prefix. A chunk whose embedded text does not end with its text stops the migration
+    before anything changes."""
+    with psycopg.connect(settings.database_url, autocommit=True) as raw:
+        migrate(raw, _migrations_through(tmp_path, 13))
+        raw.execute("INSERT INTO sources (source_id, kind, location) VALUES ('s', 'folder', '/s')")
+        document = raw.execute("INSERT INTO documents (source_id, locator, doc_format, size_bytes, content_hash)"
+                               " VALUES ('s', 'a.md', 'md', 1, 'h') RETURNING document_id").fetchone()[0]
+        texts = {"old": ("An old encoder note", "2025-01-01"), "cable": ("Encoder cable HR-2024-047 replaced", None),
+                 "belt": ("The drive belt was replaced twice", None)}
+        for ordinal, (text_hash, (text, closed)) in enumerate(texts.items()):
+            raw.execute("INSERT INTO chunks (document_id, ordinal, kind, text, embed_text, text_hash, section_path,"
+                        " token_count, chunker_version, enrich_version, valid_to)"
+                        " VALUES (%s, %s, 'text', %s, %s, %s, '{}', 5, 'c', 'e', %s)",
+                        (document, ordinal, text, f"Drive manual\nEncoders\n\n{text}", text_hash, closed))
+        chunks = "SELECT chunk_id, text, embed_text, lexical_length, valid_to FROM chunks ORDER BY 1"
+        # (terms only closed chunks hold get a row too, with nothing counted: their postings need a term_key)
+        before = {"postings": raw.execute(POSTINGS).fetchall(), "chunks": raw.execute(chunks).fetchall(),
+                  "terms": raw.execute(TERMS).fetchall(),
+                  "stats": raw.execute("SELECT * FROM lexical_stats").fetchall()}
+        assert {live for *_, live, _, _ in before["postings"]} == {True, False}
+
+        odd = raw.execute("INSERT INTO chunks (document_id, ordinal, kind, text, embed_text, text_hash, section_path,"
+                          " token_count, chunker_version, enrich_version) VALUES (%s, 9, 'text', 'a belt',"
+                          " 'not the text', 'odd', '{}', 2, 'c', 'e') RETURNING chunk_id", (document,)).fetchone()[0]
+        with pytest.raises(psycopg.errors.RaiseException, match="1 chunks have an embed_text that does not end"):
+            migrate(raw)
+        assert raw.execute(POSTINGS).fetchall() != before["postings"], "the odd chunk's postings are still there"
+        raw.execute("DELETE FROM chunks WHERE chunk_id = %s", (odd,))
+        assert raw.execute(POSTINGS).fetchall() == before["postings"], "nothing changed by the refused migration"
+
+        assert migrate(raw) == ["014_compact_postings.sql", "functions/lexical.sql"]
+        assert raw.execute(POSTINGS_014).fetchall() == before["postings"]
+        assert raw.execute(chunks).fetchall() == before["chunks"]
+        assert raw.execute(TERMS).fetchall() == \
+            before["terms"]
+        assert raw.execute("SELECT * FROM lexical_stats").fetchall() == before["stats"]
+        assert raw.execute("SELECT embed_prefix FROM chunks WHERE text_hash = 'belt'").fetchone()[0] == \
+            "Drive manual\nEncoders\n\n"
+
+        # Closing a chunk moves its postings and takes it out of the statistics; the search finds the live one.
+        raw.execute("UPDATE chunks SET valid_to = now() WHERE text_hash = 'belt'")
+        assert raw.execute("SELECT df, postings FROM lexical_terms WHERE term = 'belt'").fetchone() == (0, 0)
+        where = "FROM {} p JOIN chunks c USING (chunk_id) WHERE c.text_hash = 'belt'"
+        assert raw.execute("SELECT count(*) " + where.format("lexical_postings")).fetchone()[0] == 0
+        assert raw.execute("SELECT count(*) " + where.format("lexical_postings_closed")).fetchone()[0] == 6, \
+            "drive manual encod belt replac twice"
+    with connect(settings) as conn:
+        ensure_vector_store(conn, "none:4", 4)
+        hits = search(conn, None, "encoder cable", 1, arm="lexical", vector=np.zeros(4, dtype=np.float32),
+                      model_key="none:4")
+        assert [h.content for h in hits] == ["Encoder cable HR-2024-047 replaced"]

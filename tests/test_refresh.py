@@ -215,7 +215,7 @@ def test_a_run_killed_mid_way_converges_to_the_clean_state(settings, embedder, s
     with connect(settings) as conn:
         resumed, resumed_vectors = content_of(conn), vectors_of(conn)
         conn.execute("TRUNCATE sources, documents, elements, chunk_drafts, chunks, failures, document_versions,"
-                     f" lexical_postings, lexical_terms, {VECTORS} RESTART IDENTITY CASCADE")
+                     f" lexical_postings, lexical_postings_closed, lexical_terms, {VECTORS} RESTART IDENTITY CASCADE")
         conn.execute("UPDATE lexical_stats SET chunks = 0, total_length = 0")
         add_source(conn, declare("samples", samples_copy), "tests")
         ingest(conn, embedder, load_settings(), ["samples"])

@@ -56,6 +56,11 @@ def test_term_statistics_follow_every_publish(kb, embedder, samples_copy):
             per_term("kb_lexemes(c.text)")
         assert dict(kb.execute("SELECT (term, source_key), postings FROM lexical_terms WHERE postings > 0").fetchall()) == \
             per_term("kb_lexemes(c.embed_text)")
+        # Live chunks' postings are in lexical_postings, closed chunks' in lexical_postings_closed, one per lexeme.
+        assert dict(kb.execute("SELECT (t.term, t.source_key), count(*) FROM lexical_postings p"
+                               " JOIN lexical_terms t USING (term_key) GROUP BY 1").fetchall()) == per_term("kb_lexemes(c.embed_text)")
+        assert kb.execute("SELECT count(*) FROM lexical_postings_closed").fetchone()[0] == kb.execute(
+            "SELECT coalesce(sum(length(kb_lexemes(embed_text))), 0) FROM chunks WHERE valid_to IS NOT NULL").fetchone()[0]
 
     consistent()
     (samples_copy / "ops/postgres-runbook.txt").unlink()
@@ -194,15 +199,17 @@ def test_lexical_pruning_bounds_the_work_and_keeps_scores_exact(kb, embedder, mo
     assert 0 < len(pruned) <= 3
     for hit in pruned:
         assert hit.lexical_score == pytest.approx(exact[hit.chunk_id], rel=1e-9)
-        tf = kb.execute("SELECT tf FROM lexical_postings WHERE term = %s AND chunk_id = %s", (rarest, hit.chunk_id)).fetchone()
+        tf = kb.execute("SELECT p.tf FROM lexical_postings p JOIN lexical_terms t USING (term_key)"
+                        " WHERE t.term = %s AND p.chunk_id = %s", (rarest, hit.chunk_id)).fetchone()
         assert tf is not None, "candidates come from the rarest term's postings"
 
     # A narrowing filter turns pruning off: exact BM25 within the filter.
     filtered = search(kb, embedder, query, 100, arm="lexical", k_overfetch=100, filters=Filters(doc_format="md"))
     assert all(h.lexical_score == pytest.approx(exact[h.chunk_id], rel=1e-9) for h in filtered)
     assert len(filtered) > 3 and len(filtered) == kb.execute(
-        "SELECT count(DISTINCT p.chunk_id) FROM lexical_postings p JOIN chunks c USING (chunk_id) JOIN documents d"
-        " USING (document_id) WHERE p.live AND d.doc_format = 'md' AND c.kind <> 'card' AND p.term = ANY(%s)",
+        "SELECT count(DISTINCT p.chunk_id) FROM lexical_postings p JOIN lexical_terms t USING (term_key) JOIN chunks c"
+        " USING (chunk_id) JOIN documents d USING (document_id) WHERE d.doc_format = 'md' AND c.kind <> 'card'"
+        " AND t.term = ANY(%s)",
         (list(df),)).fetchone()[0]
 
 

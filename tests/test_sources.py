@@ -150,8 +150,8 @@ TABLES = {  # content of every table an ingest writes, without ids and times tha
               " FROM chunks c JOIN documents d USING (document_id)",
     "versions": "SELECT d.locator, v.version, v.event, v.content_hash, v.chunks_added, v.chunks_closed, v.chunks_kept"
                 " FROM document_versions v JOIN documents d USING (document_id)",
-    "postings": "SELECT p.term, d.locator, c.ordinal, p.tf, p.length, p.live FROM lexical_postings p"
-                " JOIN chunks c USING (chunk_id) JOIN documents d USING (document_id)",
+    "postings": "SELECT t.term, d.locator, c.ordinal, p.tf, p.length, c.valid_to IS NULL FROM lexical_postings_any p"
+                " JOIN lexical_terms t USING (term_key) JOIN chunks c USING (chunk_id) JOIN documents d USING (document_id)",
     "terms": "SELECT term, df FROM lexical_terms",
     "stats": "SELECT chunks, total_length FROM lexical_stats",
     "models": "SELECT model_key, dimensions, vector_table, state FROM embedding_models",

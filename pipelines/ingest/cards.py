@@ -167,7 +167,7 @@ FROM batch JOIN chunks c USING (chunk_id) JOIN documents d USING (document_id)
 ORDER BY c.chunk_id
 """
 
-CARD_COLUMNS = ("document_id", "ordinal", "kind", "text", "embed_text", "text_hash", "section_path", "page_number",
+CARD_COLUMNS = ("document_id", "ordinal", "kind", "text", "embed_prefix", "text_hash", "section_path", "page_number",
                 "token_count", "entities", "chunker_version", "enrich_version", "source_chunk_id", "question",
                 "generator")
 
@@ -181,7 +181,7 @@ def card_rows(chunk: SourceChunk, cards: list[dict], generator: str, counter: To
         head = f"{prefix}Q: {card['question']}\nA: "
         answer = _fit(counter, head, card["answer"])
         embedded = head + answer
-        rows.append((chunk.document_id, -1 - n, CARD_KIND, answer, embedded, hash_text(embedded), chunk.section_path,
+        rows.append((chunk.document_id, -1 - n, CARD_KIND, answer, head, hash_text(embedded), chunk.section_path,
                      chunk.page_number, counter.count([embedded])[0], Jsonb(extract_entities(embedded)), generator,
                      ENRICH_VERSION, chunk.chunk_id, card["question"], generator))
     return rows
@@ -228,7 +228,7 @@ def generate_cards(conn: psycopg.Connection, settings: Settings, embedders: list
             cards = [row for c in chunks for row in card_rows(c, cached[c.text_hash], generator.generator, counter)]
             refused = set()
             for embedder in embedders:
-                refused |= ensure_vectors(conn, embedder, {row[5]: row[4] for row in cards})
+                refused |= ensure_vectors(conn, embedder, {row[5]: row[4] + row[3] for row in cards})  # prefix + answer
             cards = [row for row in cards if row[5] not in refused]
             with conn.transaction():
                 ids = [c.chunk_id for c in chunks]

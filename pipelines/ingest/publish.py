@@ -34,19 +34,21 @@ WHERE d.deleted_at IS NULL
 ORDER BY d.document_id
 """
 
-# Fields a kept chunk may change without being re-embedded.
-MUTABLE = ("ordinal", "kind", "text", "section_path", "page_number", "token_count", "entities")
-DRAFT_FIELDS = ("document_id", "text_hash", "embed_text") + MUTABLE
+# Fields a kept chunk may change without being re-embedded. A chunk stores its embedded text as the prefix before its
+# text (chunks.embed_text is embed_prefix || text, sql/014): the same embedded text may split differently.
+MUTABLE = ("ordinal", "kind", "embed_prefix", "text", "section_path", "page_number", "token_count", "entities")
+DRAFT_FIELDS = ("document_id", "text_hash") + MUTABLE
 
 UPDATE_KEPT = """
-UPDATE chunks c SET ordinal = u.ordinal, kind = u.kind, text = u.text, section_path = u.section_path,
+UPDATE chunks c SET ordinal = u.ordinal, kind = u.kind, embed_prefix = u.embed_prefix, text = u.text,
+    section_path = u.section_path,
     page_number = u.page_number, token_count = u.token_count, entities = u.entities,
     chunker_version = %(chunker)s, enrich_version = %(enricher)s
 FROM kb_kept u WHERE c.chunk_id = u.chunk_id
 """
-KEPT_SHAPE = ("chunk_id bigint, ordinal int, kind text, text text, section_path text[], page_number int,"
+KEPT_SHAPE = ("chunk_id bigint, ordinal int, kind text, embed_prefix text, text text, section_path text[], page_number int,"
               " token_count int, entities jsonb")
-INSERT_COLUMNS = ("document_id", "text_hash", "embed_text") + MUTABLE + ("chunker_version", "enrich_version")
+INSERT_COLUMNS = ("document_id", "text_hash") + MUTABLE + ("chunker_version", "enrich_version")
 
 
 def _diff(drafts: list[tuple], live: list[tuple]):
@@ -59,8 +61,8 @@ def _diff(drafts: list[tuple], live: list[tuple]):
         candidates = live_by_hash.get(draft[1])
         if candidates:
             row = candidates.pop(0)
-            if tuple(row[2:]) != tuple(draft[3:]) + (CHUNKER_VERSION, ENRICH_VERSION):
-                kept.append((row[0], *draft[3:]))
+            if tuple(row[2:]) != tuple(draft[2:]) + (CHUNKER_VERSION, ENRICH_VERSION):
+                kept.append((row[0], *draft[2:]))
         else:
             inserts.append(tuple(draft) + (CHUNKER_VERSION, ENRICH_VERSION))
     closed = [row[0] for rows in live_by_hash.values() for row in rows]

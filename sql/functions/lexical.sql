@@ -1,29 +1,35 @@
 -- BM25 bookkeeping, kept current by triggers on `chunks` (created in sql/003 and sql/004).
 --
--- Every chunk that becomes live adds one posting per lexeme of its embedded text to lexical_postings (flagged
--- in_body when the chunk's own text, not only its title/section prefix, holds the lexeme), +1 to its source's
--- postings count of each lexeme and, for in_body lexemes, +1 to the document frequency in lexical_terms, plus its
--- length to the source's lexical_stats; a chunk that stops being live subtracts the same. Statistics are per
+-- Every chunk written adds one posting per lexeme of its embedded text, to lexical_postings when it is live and to
+-- lexical_postings_closed when it is not; a posting names its term in the chunk's source by lexical_terms.term_key
+-- (a row is created for a (term, source) pair the first time one is seen). A chunk that becomes live adds +1 to its
+-- source's postings count of each of its lexemes and, for lexemes of its own text (not only of its title/section
+-- prefix), +1 to the document frequency in lexical_terms, plus its length to the source's lexical_stats; a chunk
+-- that stops being live subtracts the same and its postings move to lexical_postings_closed. Statistics are per
 -- source so that search can sum them over the sources a caller may read (sql/queries/hybrid_search.sql).
 
 CREATE OR REPLACE FUNCTION kb_lexical_apply(entered bigint[], left_ bigint[]) RETURNS void
 LANGUAGE sql AS $$
     WITH moved AS (
         SELECT unnest(entered) AS chunk_id, 1 AS sign UNION ALL SELECT unnest(left_), -1
-    ), changed AS (
-        SELECT m.sign, src.source_key, c.lexical_length
+    ), changed AS MATERIALIZED (
+        SELECT m.chunk_id, m.sign, src.source_key, c.lexical_length, c.text
         FROM moved m
         JOIN chunks c USING (chunk_id)
         JOIN documents d USING (document_id)
         JOIN sources src USING (source_id)
+    ), body AS MATERIALIZED (  -- the lexemes of each chunk's own text, computed once per chunk
+        SELECT ch.chunk_id, u.lexeme FROM changed ch CROSS JOIN LATERAL unnest(tsvector_to_array(kb_lexemes(ch.text))) AS u(lexeme)
     ), delta AS (
-        SELECT p.source_key, p.term, sum(m.sign) FILTER (WHERE p.in_body) AS df, sum(m.sign) AS postings
-        FROM moved m JOIN lexical_postings p USING (chunk_id)
-        GROUP BY 1, 2
+        SELECT p.term_key, sum(ch.sign) FILTER (WHERE b.lexeme IS NOT NULL) AS df, sum(ch.sign) AS postings
+        FROM changed ch
+        JOIN lexical_postings_any p USING (chunk_id)
+        JOIN lexical_terms t ON t.term_key = p.term_key
+        LEFT JOIN body b ON b.chunk_id = ch.chunk_id AND b.lexeme = t.term
+        GROUP BY p.term_key
     ), terms AS (  -- a data-modifying CTE always runs to completion
-        INSERT INTO lexical_terms AS t (term, source_key, df, postings)
-        SELECT term, source_key, coalesce(df, 0), postings FROM delta WHERE postings <> 0
-        ON CONFLICT (term, source_key) DO UPDATE SET df = t.df + excluded.df, postings = t.postings + excluded.postings
+        UPDATE lexical_terms t SET df = t.df + coalesce(d.df, 0), postings = t.postings + d.postings
+        FROM delta d WHERE t.term_key = d.term_key AND d.postings <> 0
     )
     INSERT INTO lexical_stats AS st (source_key, chunks, total_length)
     SELECT source_key, sum(sign), sum(sign * lexical_length) FROM changed GROUP BY source_key
@@ -33,19 +39,37 @@ $$;
 
 CREATE OR REPLACE FUNCTION kb_lexical_on_insert() RETURNS trigger LANGUAGE plpgsql AS $$
 BEGIN
-    -- The body's lexemes once per chunk: a plain LATERAL subquery is inlined and recomputed per posting
-    -- (about 50 times a chunk, which made loads 6x slower).
-    WITH body AS MATERIALIZED (
-        SELECT n.chunk_id, tsvector_to_array(kb_lexemes(n.text)) AS lexemes FROM new_rows n
+    -- Each chunk's lexemes once (a plain LATERAL subquery would be inlined and recomputed per use). A (term, source)
+    -- pair new to lexical_terms gets its key here; one a concurrent writer added meanwhile is found by the no-op
+    -- update, which returns it.
+    WITH lexemes AS MATERIALIZED (
+        SELECT n.chunk_id, n.valid_to IS NULL AS live, s.source_key, least(n.lexical_length, 32767) AS length,
+               u.lexeme, coalesce(array_length(u.positions, 1), 1) AS tf
+        FROM new_rows n
+        JOIN documents d USING (document_id)
+        JOIN sources s USING (source_id)
+        CROSS JOIN LATERAL unnest(kb_lexemes(n.embed_prefix || n.text)) AS u
+    ), pairs AS MATERIALIZED (
+        SELECT DISTINCT lexeme AS term, source_key FROM lexemes
+    ), known AS (
+        SELECT t.term, t.source_key, t.term_key FROM lexical_terms t JOIN pairs USING (term, source_key)
+    ), added AS (
+        INSERT INTO lexical_terms AS t (term, source_key, df, postings)
+        SELECT p.term, p.source_key, 0, 0 FROM pairs p
+        WHERE NOT EXISTS (SELECT 1 FROM lexical_terms k WHERE k.term = p.term AND k.source_key = p.source_key)
+        ORDER BY 1, 2
+        ON CONFLICT (term, source_key) DO UPDATE SET df = t.df
+        RETURNING t.term, t.source_key, t.term_key
+    ), keyed AS MATERIALIZED (
+        SELECT l.chunk_id, l.live, k.term_key, l.tf, l.length
+        FROM lexemes l JOIN (SELECT * FROM known UNION ALL SELECT * FROM added) k
+            ON k.term = l.lexeme AND k.source_key = l.source_key
+    ), closed AS (
+        INSERT INTO lexical_postings_closed (chunk_id, term_key, tf, length)
+        SELECT chunk_id, term_key, tf, length FROM keyed WHERE NOT live
     )
-    INSERT INTO lexical_postings (term, chunk_id, tf, length, live, source_key, in_body)
-    SELECT u.lexeme, n.chunk_id, coalesce(array_length(u.positions, 1), 1), least(n.lexical_length, 32767),
-           n.valid_to IS NULL, s.source_key, u.lexeme = ANY(b.lexemes)
-    FROM new_rows n
-    JOIN body b USING (chunk_id)
-    JOIN documents d USING (document_id)
-    JOIN sources s USING (source_id)
-    CROSS JOIN LATERAL unnest(kb_lexemes(n.embed_text)) AS u;
+    INSERT INTO lexical_postings (chunk_id, term_key, tf, length)
+    SELECT chunk_id, term_key, tf, length FROM keyed WHERE live;
     PERFORM kb_lexical_apply(ARRAY(SELECT chunk_id FROM new_rows WHERE valid_to IS NULL), '{}');
     RETURN NULL;
 END $$;
@@ -58,8 +82,12 @@ DECLARE
                             WHERE o.valid_to IS NULL AND n.valid_to IS NOT NULL);
 BEGIN
     IF cardinality(entered) + cardinality(left_) > 0 THEN
-        UPDATE lexical_postings SET live = (chunk_id = ANY(entered))
-        WHERE chunk_id = ANY(entered) OR chunk_id = ANY(left_);
+        WITH reopened AS (DELETE FROM lexical_postings_closed WHERE chunk_id = ANY(entered) RETURNING *)
+        INSERT INTO lexical_postings (chunk_id, term_key, tf, length)
+        SELECT chunk_id, term_key, tf, length FROM reopened;
+        WITH closed AS (DELETE FROM lexical_postings WHERE chunk_id = ANY(left_) RETURNING *)
+        INSERT INTO lexical_postings_closed (chunk_id, term_key, tf, length)
+        SELECT chunk_id, term_key, tf, length FROM closed;
         PERFORM kb_lexical_apply(entered, left_);
     END IF;
     RETURN NULL;
@@ -74,9 +102,10 @@ BEGIN
     RETURN OLD;
 END $$;
 
--- Deletes (retention purges of closed chunks) drop their postings in one statement.
+-- Deletes (retention purges of closed chunks) drop their postings in one statement per table.
 CREATE OR REPLACE FUNCTION kb_lexical_after_delete() RETURNS trigger LANGUAGE plpgsql AS $$
 BEGIN
     DELETE FROM lexical_postings p USING old_rows o WHERE p.chunk_id = o.chunk_id;
+    DELETE FROM lexical_postings_closed p USING old_rows o WHERE p.chunk_id = o.chunk_id;
     RETURN NULL;
 END $$;

@@ -23,7 +23,7 @@ WITH visible AS (
            greatest(coalesce(sum(s.total_length), 0)::float8 / greatest(coalesce(sum(s.chunks), 0), 1), 1) AS avg_length
     FROM lexical_stats s JOIN visible USING (source_key)
 ), term_sources AS MATERIALIZED (
-    SELECT t.term, t.source_key, t.df, t.postings
+    SELECT t.term, t.source_key, t.term_key, t.df, t.postings
     FROM lexical_terms t JOIN query_terms USING (term) JOIN visible USING (source_key)
 ), weights AS MATERIALIZED (
     -- idf from the document frequency in chunk texts (Lucene's form, never negative); with %(common_share)s set,
@@ -65,15 +65,15 @@ WITH visible AS (
     JOIN term_sources ts USING (term)
     CROSS JOIN LATERAL (
         -- live postings (today, or as of a time when some live chunk already existed: those written by then) merged
-        -- in impact order with, as of a time, the postings of closed chunks valid then (lexical_postings_history)
+        -- in impact order with, as of a time, the postings of closed chunks valid then (lexical_postings_closed)
         (SELECT lp.chunk_id, lp.tf, lp.length FROM lexical_postings lp
-         WHERE lp.term = w.term AND lp.source_key = ts.source_key AND lp.live
+         WHERE lp.term_key = ts.term_key
            AND (%(as_of)s::timestamptz IS NULL OR (%(live_at_as_of)s AND EXISTS (
                 SELECT 1 FROM chunks c WHERE c.chunk_id = lp.chunk_id AND c.valid_from <= %(as_of)s)))
          ORDER BY lp.tf DESC, lp.length)
         UNION ALL
-        (SELECT lp.chunk_id, lp.tf, lp.length FROM lexical_postings lp
-         WHERE lp.term = w.term AND lp.source_key = ts.source_key AND NOT lp.live
+        (SELECT lp.chunk_id, lp.tf, lp.length FROM lexical_postings_closed lp
+         WHERE lp.term_key = ts.term_key
            AND %(as_of)s::timestamptz IS NOT NULL AND EXISTS (
                SELECT 1 FROM chunks c WHERE c.chunk_id = lp.chunk_id AND c.valid_from <= %(as_of)s
                  AND c.valid_to > %(as_of)s)
@@ -92,7 +92,8 @@ WITH visible AS (
     SELECT s.chunk_id, s.score + coalesce((
         SELECT sum(w.idf * (p.tf * (%(bm25_k1)s + 1))
                    / (p.tf + %(bm25_k1)s * (1 - %(bm25_b)s + %(bm25_b)s * p.length / corpus.avg_length)))
-        FROM weights w JOIN lexical_postings p ON p.chunk_id = s.chunk_id AND p.term = w.term CROSS JOIN corpus
+        FROM weights w JOIN term_sources ts USING (term)
+        JOIN lexical_postings_any p ON p.chunk_id = s.chunk_id AND p.term_key = ts.term_key CROSS JOIN corpus
         WHERE NOT w.essential), 0) AS score
     FROM candidates s
     UNION ALL
@@ -100,7 +101,8 @@ WITH visible AS (
                            / (p.tf + %(bm25_k1)s * (1 - %(bm25_b)s + %(bm25_b)s * p.length / corpus.avg_length)))
     FROM unnest(%(within)s::bigint[]) AS x(chunk_id)
     JOIN weights w ON %(lexical_n)s > 0
-    JOIN lexical_postings p ON p.chunk_id = x.chunk_id AND p.term = w.term
+    JOIN term_sources ts USING (term)
+    JOIN lexical_postings_any p ON p.chunk_id = x.chunk_id AND p.term_key = ts.term_key
     CROSS JOIN corpus
     GROUP BY x.chunk_id
 ), lexical AS MATERIALIZED (
@@ -125,11 +127,12 @@ SELECT f.chunk_id, d.source_id, d.locator, d.title, c.section_path, c.text, c.en
        f.lexical_rank,
        coalesce((SELECT sum(w.idf * (p.tf * (%(bm25_k1)s + 1))
                            / (p.tf + %(bm25_k1)s * (1 - %(bm25_b)s + %(bm25_b)s * p.length / corpus.avg_length)))
-                 FROM weights w JOIN lexical_postings p ON p.chunk_id = f.chunk_id AND p.term = w.term
+                 FROM weights w JOIN term_sources ts USING (term)
+                 JOIN lexical_postings_any p ON p.chunk_id = f.chunk_id AND p.term_key = ts.term_key
                  CROSS JOIN corpus), 0) AS lexical_score,
        f.dense_rrf, f.lexical_rrf,
-       ARRAY(SELECT p.term FROM query_terms q JOIN lexical_postings p ON p.chunk_id = f.chunk_id AND p.term = q.term
-             ORDER BY p.term) AS matched_terms,
+       ARRAY(SELECT ts.term FROM term_sources ts JOIN lexical_postings_any p ON p.chunk_id = f.chunk_id
+             AND p.term_key = ts.term_key ORDER BY ts.term) AS matched_terms,
        ARRAY[]::text[] AS exact, false AS tie_broken, c.kind, c.question, c.source_chunk_id
 FROM fused f
 JOIN chunks c ON c.chunk_id = f.chunk_id
