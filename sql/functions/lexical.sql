@@ -66,10 +66,11 @@ BEGIN
             ON k.term = l.lexeme AND k.source_key = l.source_key
     ), closed AS (
         INSERT INTO lexical_postings_closed (chunk_id, term_key, tf, length)
-        SELECT chunk_id, term_key, tf, length FROM keyed WHERE NOT live
+        SELECT chunk_id, term_key, tf, length FROM keyed WHERE NOT live ORDER BY chunk_id
     )
+    -- In chunk order: a chunk's postings share heap pages (one or two per probe) and its key in the chunk index.
     INSERT INTO lexical_postings (chunk_id, term_key, tf, length)
-    SELECT chunk_id, term_key, tf, length FROM keyed WHERE live;
+    SELECT chunk_id, term_key, tf, length FROM keyed WHERE live ORDER BY chunk_id;
     PERFORM kb_lexical_apply(ARRAY(SELECT chunk_id FROM new_rows WHERE valid_to IS NULL), '{}');
     RETURN NULL;
 END $$;
