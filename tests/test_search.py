@@ -70,6 +70,23 @@ def test_term_statistics_follow_every_publish(kb, embedder, samples_copy):
     consistent()
 
 
+def test_a_kept_chunk_whose_text_splits_differently_keeps_document_frequency_exact(conn):
+    """Publish keeps a chunk whose embedded text is unchanged but split differently between its title prefix and
+    its text: postings stay, and only its own text's words count for document frequency, before and after."""
+    conn.execute("INSERT INTO sources (source_id, kind, location) VALUES ('s', 'folder', '/s')")
+    document = conn.execute("INSERT INTO documents (source_id, locator, doc_format, size_bytes, content_hash)"
+                            " VALUES ('s', 'a.md', 'md', 1, 'h') RETURNING document_id").fetchone()[0]
+    conn.execute("INSERT INTO chunks (document_id, ordinal, kind, text, embed_prefix, text_hash, section_path,"
+                 " token_count, chunker_version, enrich_version) VALUES (%s, 0, 'text', 'Gearbox oil grades',"
+                 " 'Maintenance\n\n', 'x', '{}', 5, 'c', 'e')", (document,))
+    terms = "SELECT term, df, postings FROM lexical_terms ORDER BY term"
+    assert conn.execute(terms).fetchall() == [("gearbox", 1, 1), ("grade", 1, 1), ("mainten", 0, 1), ("oil", 1, 1)]
+    conn.execute("UPDATE chunks SET embed_prefix = 'Maintenance\n\nGearbox ', text = 'oil grades'")
+    assert conn.execute(terms).fetchall() == [("gearbox", 0, 1), ("grade", 1, 1), ("mainten", 0, 1), ("oil", 1, 1)]
+    conn.execute("UPDATE chunks SET valid_to = now()")
+    assert conn.execute(terms).fetchall() == [("gearbox", 0, 0), ("grade", 0, 0), ("mainten", 0, 0), ("oil", 0, 0)]
+
+
 @pytest.mark.parametrize("query, document", [
     ("HR-2024-047", "handbook/leave-policy.md"),
     ("AVX-041", "products/avx-series-manual.html"),

@@ -91,6 +91,22 @@ BEGIN
         SELECT chunk_id, term_key, tf, length FROM closed;
         PERFORM kb_lexical_apply(entered, left_);
     END IF;
+    -- A live chunk kept with the same embedded text split differently between prefix and text (publish updates
+    -- both): its postings stand, but document frequency counts the lexemes of its own text, so move those counts.
+    UPDATE lexical_terms t SET df = t.df + d.df
+    FROM (
+        SELECT p.term_key, sum(r.sign) AS df
+        FROM (SELECT n.chunk_id, n.text, 1 AS sign FROM new_rows n JOIN old_rows o USING (chunk_id)
+              WHERE n.valid_to IS NULL AND o.valid_to IS NULL AND n.text <> o.text
+              UNION ALL
+              SELECT o.chunk_id, o.text, -1 FROM new_rows n JOIN old_rows o USING (chunk_id)
+              WHERE n.valid_to IS NULL AND o.valid_to IS NULL AND n.text <> o.text) r
+        CROSS JOIN LATERAL unnest(tsvector_to_array(kb_lexemes(r.text))) AS u(lexeme)
+        JOIN lexical_postings p ON p.chunk_id = r.chunk_id
+        JOIN lexical_terms k ON k.term_key = p.term_key AND k.term = u.lexeme
+        GROUP BY p.term_key
+    ) d
+    WHERE t.term_key = d.term_key AND d.df <> 0;
     RETURN NULL;
 END $$;
 
