@@ -1,16 +1,23 @@
 """Hybrid search latency of two bench databases side by side, in alternating rounds, so that both pay the same load.
 
     .venv/bin/python -m bench.search_ab --chunks 100000 --rounds 3 /tmp/kb-before-home /tmp/kb-after-home
+    .venv/bin/python -m bench.search_ab --chunks 100000 /tmp/kb-before-home=/tmp/kb-before-code /tmp/kb-after-home
 
 Each KB_HOME holds a database that bench/search_latency.py built for that size, possibly with older code: it is
 read as it is, never migrated (a plain connection, not kb's), with this checkout's search statement, which is
-what a layout change (sql/013's) should be compared with. Each round runs bench.search_latency's 200 queries of
-the caller with group hr on one database, then the other; prints the median and p95 of each round.
+what a layout change that keeps the statement (sql/013's) should be compared with. A layout the statement changed
+with (sql/014's) is searched by the code that wrote it: HOME=TREE runs that database's rounds in a child process
+importing kb from TREE (a checkout of the older commit). Each round runs bench.search_latency's 200 queries of the
+caller with group hr on one database, then the other; prints the median and p95 of each round.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import os
+import subprocess
+import sys
 import time
 
 import numpy as np
@@ -45,22 +52,42 @@ def one_round(url: str, queries: list[str], vectors: np.ndarray) -> dict:
     return summary(seconds)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--chunks", type=int, required=True, help="the size bench.search_latency built")
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("homes", nargs=2, help="two KB_HOME folders")
-    args = parser.parse_args()
+def _queries(count: int = QUERIES) -> tuple[list[str], np.ndarray]:
     rng = np.random.default_rng(11)  # bench.search_latency's queries
     queries = [" ".join(words(rng, 4)) for _ in range(QUERIES)]
-    vectors = unit_vectors(rng, QUERIES)
+    return queries[:count], unit_vectors(rng, QUERIES)[:count]
+
+
+def _round_with(tree: str | None, url: str, count: int) -> dict:
+    """A round in this process, or in a child that imports kb (and these queries) from an older checkout."""
+    if tree is None:
+        return one_round(url, *_queries(count))
+    child = subprocess.run([sys.executable, __file__, "--round", url, "--count", str(count)], cwd=tree,
+                           env={**os.environ, "PYTHONPATH": tree}, capture_output=True, text=True, check=True)
+    return json.loads(child.stdout)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--chunks", type=int, help="the size bench.search_latency built")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--round", help=argparse.SUPPRESS)  # a child's one round against this URL
+    parser.add_argument("--count", type=int, default=QUERIES, help=argparse.SUPPRESS)
+    parser.add_argument("homes", nargs="*", help="two KB_HOME folders, each optionally =TREE")
+    args = parser.parse_args()
+    if args.round:
+        print(json.dumps(one_round(args.round, *_queries(args.count))))
+        return
+    if args.chunks is None or len(args.homes) != 2:
+        parser.error("give --chunks and two KB_HOME folders")
+    homes = [(home, tree or None) for home, _, tree in (h.partition("=") for h in args.homes)]
     urls = {home: psycopg.conninfo.make_conninfo(_server(home), dbname=f"kb_bench_search_{args.chunks}")
-            for home in args.homes}
-    for home, url in urls.items():
-        one_round(url, queries[:20], vectors[:20])  # warm caches
+            for home, _ in homes}
+    for home, tree in homes:
+        _round_with(tree, urls[home], 20)  # warm caches
     for round_ in range(args.rounds):
-        for home, url in urls.items():
-            print(f"round {round_ + 1} {home}: {one_round(url, queries, vectors)}", flush=True)
+        for home, tree in homes:
+            print(f"round {round_ + 1} {home}: {_round_with(tree, urls[home], QUERIES)}", flush=True)
 
 
 if __name__ == "__main__":

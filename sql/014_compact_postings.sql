@@ -41,7 +41,10 @@ DROP TABLE lexical_postings;
 ALTER TABLE lexical_postings_live RENAME TO lexical_postings;
 CREATE INDEX lexical_postings_impact ON lexical_postings (term_key, tf DESC, length) INCLUDE (chunk_id);
 CREATE INDEX lexical_postings_chunk ON lexical_postings (chunk_id);
-CREATE INDEX lexical_postings_closed_impact ON lexical_postings_closed (term_key, tf DESC, length) INCLUDE (chunk_id);
+-- Closed postings serve as-of reads only. Their impact index holds no chunk id, so B-tree deduplication stores
+-- each (term, tf, length) once with the list of its rows (about 7 bytes a posting instead of 28); an as-of read
+-- takes chunk ids from the heap, a tenth of the live one's size.
+CREATE INDEX lexical_postings_closed_impact ON lexical_postings_closed (term_key, tf DESC, length);
 CREATE INDEX lexical_postings_closed_chunk ON lexical_postings_closed (chunk_id);
 -- A chunk's postings, wherever they are: a chunk is live or closed, so its postings are in exactly one table.
 CREATE VIEW lexical_postings_any AS
