@@ -41,6 +41,7 @@ FROM (SELECT *, true AS live FROM lexical_postings UNION ALL SELECT *, false FRO
 JOIN lexical_terms t USING (term_key) JOIN chunks c USING (chunk_id)
 ORDER BY 1, 2
 """
+# Counted terms (from sql/014, a term only closed chunks hold also has a row, counting nothing: its postings need a key)
 TERMS = "SELECT term, source_key, df, postings FROM lexical_terms WHERE postings > 0 ORDER BY 1, 2"
 # The BM25 trigger functions as they were before sql/014, which changed the postings they write.
 FUNCTIONS_BEFORE_014 = Path(__file__).parent / "data" / "lexical_functions_before_014.sql"
@@ -58,22 +59,31 @@ def _migrations_through(tmp_path, last: int):
     return old
 
 
+# Three chunks of one document as an older kb wrote them (embed_text stored): one closed, two live.
+OLD_CHUNKS = {"old": ("An old encoder note", "2025-01-01"), "cable": ("Encoder cable HR-2024-047 replaced", None),
+              "belt": ("The drive belt was replaced twice", None)}
+
+
+def _old_document(raw: psycopg.Connection, prefix: str) -> int:
+    """A source, a document and OLD_CHUNKS, each embedded as `prefix` + its text; returns the document id."""
+    raw.execute("INSERT INTO sources (source_id, kind, location) VALUES ('s', 'folder', '/s')")
+    document = raw.execute("INSERT INTO documents (source_id, locator, doc_format, size_bytes, content_hash)"
+                           " VALUES ('s', 'a.txt', 'txt', 1, 'h') RETURNING document_id").fetchone()[0]
+    for ordinal, (text_hash, (text, closed)) in enumerate(OLD_CHUNKS.items()):
+        raw.execute("INSERT INTO chunks (document_id, ordinal, kind, text, embed_text, text_hash, section_path,"
+                    " token_count, chunker_version, enrich_version, valid_to)"
+                    " VALUES (%s, %s, 'text', %s, %s, %s, '{}', 5, 'c', 'e', %s)",
+                    (document, ordinal, text, prefix + text, text_hash, closed))
+    return document
+
+
 def test_lean_storage_migrates_a_database_built_before_it_in_place(settings, tmp_path):
     """sql/013: an existing knowledge base keeps its chunks, postings and vectors, now in half the bytes, and keeps
     answering searches; its vectors become halfvec with a halfvec HNSW index, and chunks written afterwards are
     indexed for BM25 without the dropped tsvector column."""
     with psycopg.connect(settings.database_url, autocommit=True) as raw:
         migrate(raw, _migrations_through(tmp_path, 12))
-        raw.execute("INSERT INTO sources (source_id, kind, location) VALUES ('s', 'folder', '/s')")
-        document = raw.execute("INSERT INTO documents (source_id, locator, doc_format, size_bytes, content_hash)"
-                               " VALUES ('s', 'a.txt', 'txt', 1, 'h') RETURNING document_id").fetchone()[0]
-        chunks = {"old": ("An old encoder note", "2025-01-01"), "cable": ("Encoder cable HR-2024-047 replaced", None),
-                  "belt": ("The drive belt was replaced twice", None)}
-        for ordinal, (text_hash, (text, closed)) in enumerate(chunks.items()):
-            raw.execute("INSERT INTO chunks (document_id, ordinal, kind, text, embed_text, text_hash, section_path,"
-                        " token_count, chunker_version, enrich_version, valid_to)"
-                        " VALUES (%s, %s, 'text', %s, %s, %s, '{}', 5, 'c', 'e', %s)",
-                        (document, ordinal, text, f"Manual\n\n{text}", text_hash, closed))
+        document = _old_document(raw, "Manual\n\n")
         # The vector table and index as sql/templates made them before sql/013.
         raw.execute("CREATE TABLE vectors_old_4 (text_hash text PRIMARY KEY, embedding vector(4) NOT NULL)")
         raw.execute("CREATE INDEX vectors_old_4_hnsw ON vectors_old_4 USING hnsw (embedding vector_cosine_ops)")
@@ -123,18 +133,8 @@ def test_compact_postings_migrate_a_database_built_before_them_in_place(settings
     before anything changes."""
     with psycopg.connect(settings.database_url, autocommit=True) as raw:
         migrate(raw, _migrations_through(tmp_path, 13))
-        raw.execute("INSERT INTO sources (source_id, kind, location) VALUES ('s', 'folder', '/s')")
-        document = raw.execute("INSERT INTO documents (source_id, locator, doc_format, size_bytes, content_hash)"
-                               " VALUES ('s', 'a.md', 'md', 1, 'h') RETURNING document_id").fetchone()[0]
-        texts = {"old": ("An old encoder note", "2025-01-01"), "cable": ("Encoder cable HR-2024-047 replaced", None),
-                 "belt": ("The drive belt was replaced twice", None)}
-        for ordinal, (text_hash, (text, closed)) in enumerate(texts.items()):
-            raw.execute("INSERT INTO chunks (document_id, ordinal, kind, text, embed_text, text_hash, section_path,"
-                        " token_count, chunker_version, enrich_version, valid_to)"
-                        " VALUES (%s, %s, 'text', %s, %s, %s, '{}', 5, 'c', 'e', %s)",
-                        (document, ordinal, text, f"Drive manual\nEncoders\n\n{text}", text_hash, closed))
+        document = _old_document(raw, "Drive manual\nEncoders\n\n")
         chunks = "SELECT chunk_id, text, embed_text, lexical_length, valid_to FROM chunks ORDER BY 1"
-        # (terms only closed chunks hold get a row too, with nothing counted: their postings need a term_key)
         before = {"postings": raw.execute(POSTINGS).fetchall(), "chunks": raw.execute(chunks).fetchall(),
                   "terms": raw.execute(TERMS).fetchall(),
                   "stats": raw.execute("SELECT * FROM lexical_stats").fetchall()}

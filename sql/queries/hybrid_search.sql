@@ -87,8 +87,9 @@ WITH visible AS (
     ORDER BY score DESC, p.chunk_id
     LIMIT %(rescore_n)s
 ), bm25 AS (
-    -- Candidates completed with the other terms' scores (one probe of lexical_postings_chunk per candidate and term;
-    -- none when every term was essential), or the chunks %(within)s names, scored exactly by probes.
+    -- Candidates completed with the other terms' scores (one probe of each postings table's chunk index per
+    -- candidate and term; none when every term was essential), or the chunks %(within)s names, scored exactly by
+    -- probes.
     SELECT s.chunk_id, s.score + coalesce((
         SELECT sum(w.idf * (p.tf * (%(bm25_k1)s + 1))
                    / (p.tf + %(bm25_k1)s * (1 - %(bm25_b)s + %(bm25_b)s * p.length / corpus.avg_length)))

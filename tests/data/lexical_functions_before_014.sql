@@ -1,3 +1,7 @@
+-- A snapshot, for tests only: sql/functions/lexical.sql as it was before sql/014 (commit 74959f8). The migration
+-- tests build databases of older schemas with it (tests/test_migrations.py); today's functions write sql/014's
+-- postings and cannot. Never applied by kb.
+--
 -- BM25 bookkeeping, kept current by triggers on `chunks` (created in sql/003 and sql/004).
 --
 -- Every chunk that becomes live adds one posting per lexeme of its embedded text to lexical_postings (flagged
