@@ -23,6 +23,19 @@ INSERT INTO lexical_terms (term, source_key, df, postings)
 SELECT DISTINCT p.term, p.source_key, 0, 0 FROM lexical_postings p
 WHERE NOT EXISTS (SELECT 1 FROM lexical_terms t WHERE t.term = p.term AND t.source_key = p.source_key);
 ALTER TABLE lexical_terms ADD CONSTRAINT lexical_terms_term_key UNIQUE (term_key);
+-- Document frequency as the triggers count it from now on: a live posting whose term is a lexeme of its chunk's
+-- text as it is now. `in_body` was fixed when a posting was written, and publish could since change a kept chunk's
+-- text (same embedded text, split differently): those counts would drift when the chunk leaves.
+WITH counted AS (
+    SELECT p.term, p.source_key, count(*) AS df
+    FROM lexical_postings p
+    JOIN (SELECT chunk_id, tsvector_to_array(kb_lexemes(text)) AS body FROM chunks WHERE valid_to IS NULL) b USING (chunk_id)
+    WHERE p.live AND p.term = ANY(b.body)
+    GROUP BY 1, 2
+)
+UPDATE lexical_terms t SET df = coalesce(c.df, 0)
+FROM lexical_terms k LEFT JOIN counted c USING (term, source_key)
+WHERE t.term_key = k.term_key AND t.df <> coalesce(c.df, 0);
 
 CREATE TABLE lexical_postings_live (
     chunk_id bigint NOT NULL,
@@ -72,8 +85,10 @@ ALTER TABLE chunks DROP COLUMN embed_text;
 ALTER TABLE chunks ADD COLUMN embed_text text GENERATED ALWAYS AS (embed_prefix || text) VIRTUAL;
 CLUSTER chunks USING chunks_pkey;  -- gives the dropped column's bytes back
 
--- Drafts keep the whole embedded text (the embed stage reads it); publish copies their prefix.
-ALTER TABLE chunk_drafts ADD COLUMN embed_prefix text
-    GENERATED ALWAYS AS (left(embed_text, length(embed_text) - length(text))) STORED;
+-- Drafts keep the whole embedded text (the embed stage reads it); publish copies their prefix. One that does not end
+-- with its text (never written by kb) has none, and publishing it fails on chunks' NOT NULL instead of storing a
+-- wrong text under the right hash.
+ALTER TABLE chunk_drafts ADD COLUMN embed_prefix text GENERATED ALWAYS AS (
+    CASE WHEN right(embed_text, length(text)) = text THEN left(embed_text, length(embed_text) - length(text)) END) STORED;
 
 ANALYZE lexical_terms, lexical_postings, lexical_postings_closed, chunks;

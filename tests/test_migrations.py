@@ -129,11 +129,14 @@ def test_lean_storage_migrates_a_database_built_before_it_in_place(settings, tmp
 def test_compact_postings_migrate_a_database_built_before_them_in_place(settings, tmp_path):
     """sql/014: every posting, live and closed, keeps its term, chunk, tf and length, now keyed by term_key in the
     table of its chunk's state; term statistics and lengths are unchanged; chunks keep their embedded text, now
-    computed from a stored prefix. A chunk whose embedded text does not end with its text stops the migration
-    before anything changes."""
+    computed from a stored prefix; document frequencies count the words of each chunk's text as it is now. A chunk
+    whose embedded text does not end with its text stops the migration before anything changes."""
     with psycopg.connect(settings.database_url, autocommit=True) as raw:
         migrate(raw, _migrations_through(tmp_path, 13))
         document = _old_document(raw, "Drive manual\nEncoders\n\n")
+        # Publish kept a chunk whose embedded text split differently: "encoder" is no longer in its own text, but
+        # its posting still counted it for document frequency.
+        raw.execute("UPDATE chunks SET text = 'cable HR-2024-047 replaced' WHERE text_hash = 'cable'")
         chunks = "SELECT chunk_id, text, embed_text, lexical_length, valid_to FROM chunks ORDER BY 1"
         before = {"postings": raw.execute(POSTINGS).fetchall(), "chunks": raw.execute(chunks).fetchall(),
                   "terms": raw.execute(TERMS).fetchall(),
@@ -150,10 +153,11 @@ def test_compact_postings_migrate_a_database_built_before_them_in_place(settings
         assert raw.execute(POSTINGS).fetchall() == before["postings"], "nothing changed by the refused migration"
 
         assert migrate(raw) == ["014_compact_postings.sql", "functions/lexical.sql"]
-        assert raw.execute(POSTINGS_014).fetchall() == before["postings"]
+        without_in_body = [row[:6] for row in before["postings"]]
+        assert [row[:6] for row in raw.execute(POSTINGS_014)] == without_in_body
         assert raw.execute(chunks).fetchall() == before["chunks"]
-        assert raw.execute(TERMS).fetchall() == \
-            before["terms"]
+        assert ("encod", 1, 1, 2) in before["terms"]
+        assert raw.execute(TERMS).fetchall() == [(t, s, 0 if t == "encod" else df, n) for t, s, df, n in before["terms"]]
         assert raw.execute("SELECT * FROM lexical_stats").fetchall() == before["stats"]
         assert raw.execute("SELECT embed_prefix FROM chunks WHERE text_hash = 'belt'").fetchone()[0] == \
             "Drive manual\nEncoders\n\n"
@@ -169,4 +173,6 @@ def test_compact_postings_migrate_a_database_built_before_them_in_place(settings
         ensure_vector_store(conn, "none:4", 4)
         hits = search(conn, None, "encoder cable", 1, arm="lexical", vector=np.zeros(4, dtype=np.float32),
                       model_key="none:4")
-        assert [h.content for h in hits] == ["Encoder cable HR-2024-047 replaced"]
+        assert [h.content for h in hits] == ["cable HR-2024-047 replaced"]
+        conn.execute("UPDATE chunks SET valid_to = now() WHERE text_hash = 'cable'")
+        assert conn.execute("SELECT df, postings FROM lexical_terms WHERE term = 'encod'").fetchone() == (0, 0)

@@ -87,6 +87,22 @@ def test_a_kept_chunk_whose_text_splits_differently_keeps_document_frequency_exa
     assert conn.execute(terms).fetchall() == [("gearbox", 0, 0), ("grade", 0, 0), ("mainten", 0, 0), ("oil", 0, 0)]
 
 
+def test_a_document_deleted_outright_leaves_the_statistics(conn):
+    """kb closes chunks rather than deleting them, but a document row deleted by hand cascades to its chunks: their
+    terms and lengths leave the statistics although the document row is gone when the chunks' triggers run."""
+    conn.execute("INSERT INTO sources (source_id, kind, location) VALUES ('s', 'folder', '/s')")
+    document = conn.execute("INSERT INTO documents (source_id, locator, doc_format, size_bytes, content_hash)"
+                            " VALUES ('s', 'a.md', 'md', 1, 'h') RETURNING document_id").fetchone()[0]
+    conn.execute("INSERT INTO chunks (document_id, ordinal, kind, text, embed_prefix, text_hash, section_path,"
+                 " token_count, chunker_version, enrich_version) VALUES (%s, 0, 'text', 'Gearbox oil grades',"
+                 " 'Maintenance\n\n', 'x', '{}', 5, 'c', 'e')", (document,))
+    assert conn.execute("SELECT chunks FROM lexical_stats").fetchone() == (1,)
+    conn.execute("DELETE FROM documents")
+    assert conn.execute("SELECT sum(df), sum(postings) FROM lexical_terms").fetchone() == (0, 0)
+    assert conn.execute("SELECT chunks, total_length FROM lexical_stats").fetchone() == (0, 0)
+    assert conn.execute("SELECT count(*) FROM lexical_postings_any").fetchone() == (0,)
+
+
 @pytest.mark.parametrize("query, document", [
     ("HR-2024-047", "handbook/leave-policy.md"),
     ("AVX-041", "products/avx-series-manual.html"),

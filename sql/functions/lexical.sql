@@ -13,11 +13,15 @@ LANGUAGE sql AS $$
     WITH moved AS (
         SELECT unnest(entered) AS chunk_id, 1 AS sign UNION ALL SELECT unnest(left_), -1
     ), changed AS MATERIALIZED (
-        SELECT m.chunk_id, m.sign, src.source_key, c.lexical_length, c.text
+        -- A chunk's source from its document, or, when the document row is already gone (a delete cascading
+        -- from it), from its postings' terms; term counts need no source.
+        SELECT m.chunk_id, m.sign, c.lexical_length, c.text,
+               coalesce(src.source_key, (SELECT k.source_key FROM lexical_postings_any p JOIN lexical_terms k USING (term_key)
+                                         WHERE p.chunk_id = m.chunk_id LIMIT 1)) AS source_key
         FROM moved m
         JOIN chunks c USING (chunk_id)
-        JOIN documents d USING (document_id)
-        JOIN sources src USING (source_id)
+        LEFT JOIN documents d USING (document_id)
+        LEFT JOIN sources src USING (source_id)
     ), body AS MATERIALIZED (  -- the lexemes of each chunk's own text, computed once per chunk
         SELECT ch.chunk_id, u.lexeme FROM changed ch CROSS JOIN LATERAL unnest(tsvector_to_array(kb_lexemes(ch.text))) AS u(lexeme)
     ), delta AS (
@@ -29,10 +33,11 @@ LANGUAGE sql AS $$
         GROUP BY p.term_key
     ), terms AS (  -- a data-modifying CTE always runs to completion
         UPDATE lexical_terms t SET df = t.df + coalesce(d.df, 0), postings = t.postings + d.postings
-        FROM delta d WHERE t.term_key = d.term_key AND d.postings <> 0
+        FROM delta d WHERE t.term_key = d.term_key AND (d.postings <> 0 OR d.df <> 0)
     )
     INSERT INTO lexical_stats AS st (source_key, chunks, total_length)
-    SELECT source_key, sum(sign), sum(sign * lexical_length) FROM changed GROUP BY source_key
+    SELECT source_key, sum(sign), sum(sign * lexical_length) FROM changed WHERE source_key IS NOT NULL
+    GROUP BY source_key
     ON CONFLICT (source_key) DO UPDATE
         SET chunks = st.chunks + excluded.chunks, total_length = st.total_length + excluded.total_length;
 $$;
