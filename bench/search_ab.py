@@ -8,7 +8,7 @@ read as it is, never migrated (a plain connection, not kb's), with this checkout
 what a layout change that keeps the statement (sql/013's) should be compared with. A layout the statement changed
 with (sql/014's) is searched by the code that wrote it: HOME=TREE runs that database's rounds in a child process
 importing kb from TREE (a checkout of the older commit). Each round runs bench.search_latency's 200 queries of the
-caller with group hr on one database, then the other; prints the median and p95 of each round.
+caller with group hr (or --caller) on one database, then the other; prints the median and p95 of each round.
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ def _server(home: str) -> str:
     return database_url(dataclasses.replace(load_settings(), home=Path(home), database_url=None))
 
 
-def one_round(url: str, queries: list[str], vectors: np.ndarray) -> dict:
+def one_round(url: str, queries: list[str], vectors: np.ndarray, caller: str = GROUP_CALLER) -> dict:
     from pipelines.retrieval.search import search
 
     with psycopg.connect(url, autocommit=True) as conn:
@@ -46,7 +46,7 @@ def one_round(url: str, queries: list[str], vectors: np.ndarray) -> dict:
         seconds = []
         for i, query in enumerate(queries):
             started = time.perf_counter()
-            search(conn, None, query, 10, k_overfetch=20, lexical_weight=0.5, filters=CALLERS[GROUP_CALLER](i),
+            search(conn, None, query, 10, k_overfetch=20, lexical_weight=0.5, filters=CALLERS[caller](i),
                    vector=vectors[i], model_key=MODEL_KEY)
             seconds.append(time.perf_counter() - started)
     return summary(seconds)
@@ -58,11 +58,11 @@ def _queries(count: int = QUERIES) -> tuple[list[str], np.ndarray]:
     return queries[:count], unit_vectors(rng, QUERIES)[:count]
 
 
-def _round_with(tree: str | None, url: str, count: int) -> dict:
+def _round_with(tree: str | None, url: str, count: int, caller: str) -> dict:
     """A round in this process, or in a child that imports kb (and these queries) from an older checkout."""
     if tree is None:
-        return one_round(url, *_queries(count))
-    child = subprocess.run([sys.executable, __file__, "--round", url, "--count", str(count)], cwd=tree,
+        return one_round(url, *_queries(count), caller)
+    child = subprocess.run([sys.executable, __file__, "--round", url, "--count", str(count), "--caller", caller], cwd=tree,
                            env={**os.environ, "PYTHONPATH": tree}, capture_output=True, text=True, check=True)
     return json.loads(child.stdout)
 
@@ -71,12 +71,13 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--chunks", type=int, help="the size bench.search_latency built")
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--caller", default=GROUP_CALLER, choices=list(CALLERS), help="bench.search_latency's callers")
     parser.add_argument("--round", help=argparse.SUPPRESS)  # a child's one round against this URL
     parser.add_argument("--count", type=int, default=QUERIES, help=argparse.SUPPRESS)
     parser.add_argument("homes", nargs="*", help="two KB_HOME folders, each optionally =TREE")
     args = parser.parse_args()
     if args.round:
-        print(json.dumps(one_round(args.round, *_queries(args.count))))
+        print(json.dumps(one_round(args.round, *_queries(args.count), args.caller)))
         return
     if args.chunks is None or len(args.homes) != 2:
         parser.error("give --chunks and two KB_HOME folders")
@@ -84,10 +85,10 @@ def main() -> None:
     urls = {home: psycopg.conninfo.make_conninfo(_server(home), dbname=f"kb_bench_search_{args.chunks}")
             for home, _ in homes}
     for home, tree in homes:
-        _round_with(tree, urls[home], 20)  # warm caches
+        _round_with(tree, urls[home], 20, args.caller)  # warm caches
     for round_ in range(args.rounds):
         for home, tree in homes:
-            print(f"round {round_ + 1} {home}: {_round_with(tree, urls[home], QUERIES)}", flush=True)
+            print(f"round {round_ + 1} {home}: {_round_with(tree, urls[home], QUERIES, args.caller)}", flush=True)
 
 
 if __name__ == "__main__":
