@@ -70,15 +70,20 @@ def test_term_statistics_follow_every_publish(kb, embedder, samples_copy):
     consistent()
 
 
-def test_a_kept_chunk_whose_text_splits_differently_keeps_document_frequency_exact(conn):
-    """Publish keeps a chunk whose embedded text is unchanged but split differently between its title prefix and
-    its text: postings stay, and only its own text's words count for document frequency, before and after."""
+def _one_live_chunk(conn) -> None:
+    """One source, one document, one live chunk: 'Gearbox oil grades' under the title 'Maintenance'."""
     conn.execute("INSERT INTO sources (source_id, kind, location) VALUES ('s', 'folder', '/s')")
     document = conn.execute("INSERT INTO documents (source_id, locator, doc_format, size_bytes, content_hash)"
                             " VALUES ('s', 'a.md', 'md', 1, 'h') RETURNING document_id").fetchone()[0]
     conn.execute("INSERT INTO chunks (document_id, ordinal, kind, text, embed_prefix, text_hash, section_path,"
                  " token_count, chunker_version, enrich_version) VALUES (%s, 0, 'text', 'Gearbox oil grades',"
                  " 'Maintenance\n\n', 'x', '{}', 5, 'c', 'e')", (document,))
+
+
+def test_a_kept_chunk_whose_text_splits_differently_keeps_document_frequency_exact(conn):
+    """Publish keeps a chunk whose embedded text is unchanged but split differently between its title prefix and
+    its text: postings stay, and only its own text's words count for document frequency, before and after."""
+    _one_live_chunk(conn)
     terms = "SELECT term, df, postings FROM lexical_terms ORDER BY term"
     assert conn.execute(terms).fetchall() == [("gearbox", 1, 1), ("grade", 1, 1), ("mainten", 0, 1), ("oil", 1, 1)]
     conn.execute("UPDATE chunks SET embed_prefix = 'Maintenance\n\nGearbox ', text = 'oil grades'")
@@ -90,12 +95,7 @@ def test_a_kept_chunk_whose_text_splits_differently_keeps_document_frequency_exa
 def test_a_document_deleted_outright_leaves_the_statistics(conn):
     """kb closes chunks rather than deleting them, but a document row deleted by hand cascades to its chunks: their
     terms and lengths leave the statistics although the document row is gone when the chunks' triggers run."""
-    conn.execute("INSERT INTO sources (source_id, kind, location) VALUES ('s', 'folder', '/s')")
-    document = conn.execute("INSERT INTO documents (source_id, locator, doc_format, size_bytes, content_hash)"
-                            " VALUES ('s', 'a.md', 'md', 1, 'h') RETURNING document_id").fetchone()[0]
-    conn.execute("INSERT INTO chunks (document_id, ordinal, kind, text, embed_prefix, text_hash, section_path,"
-                 " token_count, chunker_version, enrich_version) VALUES (%s, 0, 'text', 'Gearbox oil grades',"
-                 " 'Maintenance\n\n', 'x', '{}', 5, 'c', 'e')", (document,))
+    _one_live_chunk(conn)
     assert conn.execute("SELECT chunks FROM lexical_stats").fetchone() == (1,)
     conn.execute("DELETE FROM documents")
     assert conn.execute("SELECT sum(df), sum(postings) FROM lexical_terms").fetchone() == (0, 0)
