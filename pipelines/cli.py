@@ -1005,6 +1005,13 @@ def dagster_group() -> None:
 
 
 def _executor_config(dask: str | None) -> dict:
+    """The run config of a command's run. `--dask` on the operator's own command line declares the deployment's
+    scheduler for this process (as KB_DASK_SCHEDULER would), which is the only one a run may use
+    (assets/executors.py)."""
+    import os
+
+    if dask:
+        os.environ["KB_DASK_SCHEDULER"] = dask
     return {"execution": {"config": {"dask": {"address": dask}}}} if dask else {}
 
 

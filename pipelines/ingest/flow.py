@@ -82,7 +82,8 @@ def _embed(run: "IngestRun", progress: Progress) -> StageReport:
 def _publish(run: "IngestRun", progress: Progress) -> StageReport:
     from pipelines.ingest.publish import publish_ready
 
-    return publish_ready(run.conn, run.source_ids, batch_size=run.settings.batch_documents, progress=progress)
+    return publish_ready(run.conn, run.source_ids, batch_size=run.settings.batch_documents, progress=progress,
+                         model_keys=[model.model_key for model in run.models_in_use()])
 
 
 def _cards(run: "IngestRun", progress: Progress) -> StageReport:

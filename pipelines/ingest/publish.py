@@ -124,9 +124,11 @@ def publish_batch(conn: psycopg.Connection, batch: list[tuple[int, str]], report
 
 
 def publish_ready(conn: psycopg.Connection, source_ids: list[str] | None = None, batch_size: int = 64,
-                  progress: Progress = NO_PROGRESS) -> StageReport:
+                  progress: Progress = NO_PROGRESS, model_keys: list[str] | None = None) -> StageReport:
+    """Publish the documents whose drafts have vectors in every model of `model_keys` (the run's: the configured
+    and the serving model; default every registered one)."""
     report = StageReport("publish", ("documents", "chunks_inserted", "chunks_updated", "chunks_closed", "chunks_kept"))
-    tables = model_tables(conn).values()
+    tables = [table for key, table in model_tables(conn).items() if model_keys is None or key in model_keys]
     if not tables:
         raise LookupError("no embedding model registered: run the embed stage first")
     missing = sql.SQL(" OR ").join(

@@ -29,7 +29,7 @@ from pipelines.models.embedders import Embedder, embedder_for
 from pipelines.settings import Settings
 from pipelines.sources.declarations import load_sources
 from pipelines.storage.locks import source_locks
-from pipelines.storage.vectors import model_tables
+from pipelines.storage.vectors import active_model
 
 # progress(stage) -> what that stage reports to while it runs (pipelines/ingest/report.Progress)
 ProgressFactory = Callable[[str], Progress]
@@ -175,9 +175,12 @@ class IngestRun:
         return IngestSummary([StageReport.from_dict(name, stored[name]) for name in STAGE_NAMES if name in stored])
 
     def models_in_use(self) -> list[Embedder]:
-        """The configured model first, then every other model with vectors (the serving one during a switch)."""
-        return [self.embedder] + [embedder_for(key, self.settings) for key in model_tables(self.conn)
-                                  if key != self.embedder.model_key]
+        """The configured model first, then the serving one when it is another (during a switch). A model being
+        built that is neither (left by a configuration one run or shell once had) is not embedded by refreshes:
+        its backfill fills it when an operator builds it, and it can never make a plain refresh fail."""
+        serving = active_model(self.conn)
+        return [self.embedder] + ([embedder_for(serving, self.settings)]
+                                  if serving not in (None, self.embedder.model_key) else [])
 
     def _finish(self, outcome: str) -> None:
         """Record the counters of what ran. No model switch here: what one run embedded (an endpoint that answered
