@@ -219,14 +219,16 @@ def dask_option(help_text: str):
 
 
 @main.command()
-@click.argument("paths", nargs=-1, type=click.Path(exists=True))
+@click.argument("paths", nargs=-1)
 @click.option("--source", "source_name",
               help="Source name: with a PATH, the name to declare it under (default: the folder or file name);"
                    " alone, the declared source to ingest.")
 @click.option("--include", multiple=True, help="Glob of files to take from a new folder source (repeatable).")
 @click.option("--exclude", multiple=True, help="Glob of files to skip in a new folder source (repeatable).")
 @click.option("--group", "groups", multiple=True,
-              help="Only callers in this group may read a new source's documents (repeatable; default: everyone).")
+              help="Only callers in this group may read a new source's documents (repeatable).")
+@click.option("--public", is_flag=True, help="Every caller may read a new source's documents (say it: a new source"
+                                             " needs --group or --public).")
 @click.option("--allow-deletions", is_flag=True,
               help="Confirm that documents really are gone: soft-delete them even beyond the source's"
                    " max_deletion_share (a crawl that would delete more deletes none without this).")
@@ -238,13 +240,14 @@ def dask_option(help_text: str):
 @dask_option("Parse the documents on this dask scheduler's workers (tcp://host:8786), which need no access to"
              " the files: this process reads them and holds the lock; default: KB_PARSE_WORKERS local processes.")
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable summary.")
-def ingest(paths, source_name, include, exclude, groups, allow_deletions, accept_new_root, retry_failed, dask,
-           as_json) -> None:
+def ingest(paths, source_name, include, exclude, groups, public, allow_deletions, accept_new_root, retry_failed,
+           dask, as_json) -> None:
     """Ingest declared sources: all of them, the one named by --source, or the folders and JSONL files given.
 
-    A PATH that is not a declared source yet is declared from this command (with its --include, --exclude and
-    --group). A declared source is ingested exactly as declared: giving it another location, globs or groups
-    here is refused; change a declaration with `kb source update` or in its config file."""
+    A PATH that is not a declared source yet is declared from this command (with its --include, --exclude, and
+    --group or --public: a new source says who may read it). A declared source is ingested exactly as declared:
+    giving it another location, globs or groups here is refused; change a declaration with `kb source update` or
+    in its config file. A name that the kb.toml at hand declares is that source, never a folder of that name."""
     from pipelines.ingest.golden import GateFailed
     from pipelines.ingest.run import (
         EXIT_FILE_FAILURES,
@@ -264,16 +267,22 @@ def ingest(paths, source_name, include, exclude, groups, allow_deletions, accept
 
     if source_name and len(paths) > 1:
         raise click.UsageError("--source names one source: give one path with it")
-    if not paths and (include or exclude or groups):
-        raise click.UsageError("--include, --exclude and --group declare a new source: give its PATH, or change a"
-                               " declared source with `kb source update`")
+    if not paths and (include or exclude or groups or public):
+        raise click.UsageError("--include, --exclude, --group and --public declare a new source: give its PATH, or"
+                               " change a declared source with `kb source update`")
+    if groups and public:
+        raise click.UsageError("--public and --group contradict each other")
     settings = load_settings()
     with connect(settings) as conn:
         if paths:
             who = actor("kb ingest")
             source_ids = []
             for path in paths:
-                declared, new = source_for_ingest(conn, path, source_name, include, exclude, groups or None, who)
+                if (named := _name_in_config(conn, settings, path)) is not None:
+                    source_ids.append(named)
+                    continue
+                declared, new = source_for_ingest(conn, path, source_name, include, exclude, groups or None, who,
+                                                  public)
                 if new:
                     click.echo(f"declared source {_source_line(declared)}", err=True)
                 source_ids.append(declared.source_id)
@@ -305,6 +314,26 @@ def ingest(paths, source_name, include, exclude, groups, allow_deletions, accept
     _emit(data, as_json, "\n".join(_ingest_lines(data, settings.unsupported_files)))
     if data["errors"]:
         sys.exit(EXIT_FILE_FAILURES)
+
+
+def _name_in_config(conn, settings, path: str) -> str | None:
+    """A PATH argument that names a source of the kb.toml at hand is that source: ingest it as declared, or, when the
+    file's declaration is not applied, refuse (taking a folder of that name for a new public source would bypass
+    what the file says about who may read it)."""
+    from pipelines.sources.declarations import DeclarationError, get_source, read_config
+
+    if settings.config_path is None or "/" in path:
+        return None
+    try:
+        names = {s.source_id for s in read_config(settings.config_path)}
+    except DeclarationError:
+        return None  # a file that does not read declares nothing here; `kb source apply` says what is wrong with it
+    if path not in names:
+        return None
+    if get_source(conn, path) is None:
+        raise UserError(f"{path!r} is a source declared in {settings.config_path}, which is not applied: run"
+                        f" `kb source apply` first, then `kb ingest --source {path}`")
+    return path
 
 
 def _ingest_lines(data: dict, unsupported: str) -> list[str]:

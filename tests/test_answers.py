@@ -212,7 +212,7 @@ def test_a_run_killed_while_writing_cards_converges_to_a_clean_run(settings, sam
     with FakeOpenAI(chat=scripted_chat(), hold_after=2) as fake:  # the third card call waits for the kill
         env = {**os.environ, "KB_CHAT_MODEL": "scripted-chat", "OPENAI_BASE_URL": fake.base_url,
                "OPENAI_API_KEY": "test-key", "KB_CHAT_CONCURRENCY": "1", "PYTHONUNBUFFERED": "1"}
-        run = subprocess.Popen([kb_bin, "ingest", str(samples_copy), "--source", "samples"], env=env,
+        run = subprocess.Popen([kb_bin, "ingest", str(samples_copy), "--source", "samples", "--public"], env=env,
                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         assert fake.held.wait(timeout=600), "the run never reached its third card call"
         run.send_signal(signal.SIGKILL)
@@ -248,7 +248,7 @@ def test_an_as_of_answer_cites_what_was_valid_then_and_labels_come_from_metadata
     kb_bin = str(Path(sys.executable).parent / "kb")
     run = lambda *args: subprocess.run([kb_bin, *args], capture_output=True, text=True,  # noqa: E731
                                        env=os.environ.copy(), timeout=600)
-    assert run("ingest", str(folder), "--source", "notes").returncode == 0
+    assert run("ingest", str(folder), "--source", "notes", "--public").returncode == 0
     then = datetime.now(timezone.utc).isoformat(timespec="seconds")
     policy.write_text("# Travel policy\n\nBusiness travel now needs a manager's approval.\n")
     assert run("ingest", "--source", "notes").returncode == 0

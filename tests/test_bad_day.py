@@ -63,7 +63,7 @@ def write_jsonl(path: Path, lines: list) -> None:
 
 
 def test_an_unreadable_folder_keeps_its_documents(settings, samples_copy):
-    kb("ingest", str(samples_copy), "--source", "samples")
+    kb("ingest", str(samples_copy), "--source", "samples", "--public")
     before = live_texts(settings, "finance/expense-policy.docx")
     (samples_copy / "finance").chmod(0)
     try:  # root reads anything: run as an ordinary account would, which cannot open the server's socket folder
@@ -84,7 +84,7 @@ def test_an_unreadable_folder_keeps_its_documents(settings, samples_copy):
 
 
 def test_an_unmounted_or_emptied_source_deletes_nothing_until_confirmed(settings, samples_copy, instance):
-    kb("ingest", str(samples_copy), "--source", "samples")
+    kb("ingest", str(samples_copy), "--source", "samples", "--public")
     shutil.move(samples_copy, samples_copy.parent / "elsewhere")
     missing = kb_json("ingest", "--source", "samples", expect=3)
     assert missing["documents_deleted"] == 0 and "does not exist or is not mounted" in missing["errors"][0]["reason"]
@@ -111,7 +111,7 @@ def test_a_broken_line_or_blanked_record_keeps_its_last_version(settings, tmp_pa
     records = [{"_id": f"r{i}", "title": f"Record {i}", "text": f"Text of record {i} about zebras."} for i in range(5)]
     path = tmp_path / "records.jsonl"
     write_jsonl(path, records)
-    kb("ingest", str(path), "--source", "records")
+    kb("ingest", str(path), "--source", "records", "--public")
 
     lines = [json.dumps(r) for r in records]
     lines[1] = lines[1][:-8]  # truncated: not JSON, but its _id is still readable
@@ -149,7 +149,7 @@ def test_a_record_nested_hundreds_of_levels_deep_fails_alone(settings, tmp_path)
              json.dumps(deep),
              '{"_id": "deeper", "text": "x", "m": ' + "[" * 5000 + "]" * 5000 + "}"]
     path.write_text("\n".join(lines) + "\n")
-    data = kb_json("ingest", str(path), "--source", "records", expect=3)
+    data = kb_json("ingest", str(path), "--source", "records", "--public", expect=3)
     reasons = errors(data)
     assert set(reasons) == {"deep", "deeper"} and data["documents_published"] == 1
     assert "nested more than 32 levels" in reasons["deep"] and "nested too deeply" in reasons["deeper"]
@@ -160,7 +160,7 @@ def test_nul_bytes_are_dropped_and_a_binary_text_file_fails_alone(settings, samp
     (samples_copy / "ops" / "dump.txt").write_bytes(b"\x00\x01\x02\x00" * 4000)
     records = tmp_path / "records.jsonl"
     write_jsonl(records, ['{"_id": "n1", "title": "Null\\u0000 title", "text": "The\\u0000 okapi is a giraffid."}'])
-    data = kb_json("ingest", str(samples_copy), str(records), expect=3)
+    data = kb_json("ingest", str(samples_copy), str(records), "--public", expect=3)
     assert list(errors(data)) == ["ops/dump.txt"] and "not a text file" in errors(data)["ops/dump.txt"]
     assert data["documents_published"] == 11  # the 9 samples, notes.txt and the record
     assert live_texts(settings, "ops/notes.txt") == ["Rotate the zebra signing keys monthly. Log each rotation."]
@@ -170,7 +170,7 @@ def test_nul_bytes_are_dropped_and_a_binary_text_file_fails_alone(settings, samp
 def test_a_duplicate_id_is_an_error_for_that_id_alone(settings, tmp_path):
     path = tmp_path / "records.jsonl"
     write_jsonl(path, [{"_id": "a", "text": "Apples."}, {"_id": "b", "text": "Bananas."}])
-    kb("ingest", str(path), "--source", "fruit")
+    kb("ingest", str(path), "--source", "fruit", "--public")
     write_jsonl(path, [{"_id": "a", "text": "Apricots."}, {"_id": "b", "text": "Blueberries."},
                        {"_id": "b", "text": "Blackberries."}, {"_id": "c", "text": "Cherries."},
                        {"_id": "c", "text": "Cranberries."}])
@@ -186,7 +186,7 @@ def test_undecodable_names_and_text_fail_one_by_one(settings, samples_copy, tmp_
     write_jsonl(records, ['{"_id": "s1", "title": "Lone", "text": "a lone \\ud800 surrogate"}',
                           b'{"_id": "s2", "title": "Latin-1", "text": "caf\xe9"}',
                           {"_id": "s3", "title": "Fine", "text": "A perfectly good record."}])
-    data = kb_json("ingest", str(samples_copy), str(records), expect=3)
+    data = kb_json("ingest", str(samples_copy), str(records), "--public", expect=3)
     reasons = errors(data)
     assert set(reasons) == {"caf\\xe9-menu.md", "s1", "s2"}
     assert "not valid UTF-8" in reasons["caf\\xe9-menu.md"] and "rename" in reasons["caf\\xe9-menu.md"]
@@ -265,7 +265,7 @@ def test_a_parse_past_its_time_limit_costs_its_file_only(conn, settings, samples
 
 
 def test_per_file_limits_cost_the_file_and_keep_its_last_version(settings, samples_copy, monkeypatch):
-    kb("ingest", str(samples_copy), "--source", "samples")
+    kb("ingest", str(samples_copy), "--source", "samples", "--public")
     policy = live_texts(settings, "handbook/leave-policy.md")
     (samples_copy / "big.md").write_text("# Big\n\n" + "word " * 500_000)  # 2.5 MB
     with zipfile.ZipFile(samples_copy / "bomb.docx", "w", zipfile.ZIP_DEFLATED) as bomb:
@@ -330,7 +330,7 @@ def test_a_killed_run_leaves_nothing_running_and_a_dead_database_is_named(sample
     server and, as its last user, stops it; a server that dies mid-run is named as the cause."""
     home = tmp_path / "home"
     env = {k: v for k, v in os.environ.items() if k != "DATABASE_URL"} | {"KB_HOME": str(home), "PYTHONUNBUFFERED": "1"}
-    run = subprocess.Popen([KB, "ingest", str(samples_copy), "--source", "samples"], env=env,
+    run = subprocess.Popen([KB, "ingest", str(samples_copy), "--source", "samples", "--public"], env=env,
                            stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True)
     workers = []
     for line in run.stderr:
@@ -376,7 +376,7 @@ def test_a_hostile_folder_in_one_run(settings, samples_copy, tmp_path):
     good_records(records)
     archive.mkdir()
     (archive / "old-memo.md").write_text("# Old memo\n\nThe okapi enclosure moved in 2019.\n")
-    kb("ingest", str(samples_copy), str(records), str(archive))
+    kb("ingest", str(samples_copy), str(records), str(archive), "--public")
     before = {locator: live_texts(settings, locator)
               for locator in ("finance/expense-policy.docx", "products/spare-parts-prices.xlsx", "r1", "r6")}
 

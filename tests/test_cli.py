@@ -86,7 +86,7 @@ def test_the_knowledge_base_is_found_upward_like_git_else_per_user(settings, tmp
 
 
 def test_each_stage_reports_its_total_and_its_end_when_not_on_a_terminal(settings, tmp_path):
-    out = kb("ingest", str(small_folder(tmp_path)), str(records(tmp_path)))
+    out = kb("ingest", str(small_folder(tmp_path)), str(records(tmp_path)), "--public")
     assert out.returncode == 0, out.stderr
     lines = out.stderr.splitlines()
     assert [line.split(":")[0] for line in lines[:2]] == ["declared source small", "declared source tickets"]
@@ -124,7 +124,7 @@ def on_a_terminal(*args: str) -> str:
 
 def test_on_a_terminal_each_stage_shows_a_bar_with_total_rate_and_eta(settings, tmp_path):
     folder = small_folder(tmp_path)
-    text = on_a_terminal("ingest", str(folder))
+    text = on_a_terminal("ingest", str(folder), "--public")
     for stage in ("extract", "parse", "chunk", "enrich", "embed", "publish"):
         bar = re.search(rf"{stage}\s*: +\d+%\|[^|]*\| \d+/(\d+) \[\d\d:\d\d<[\d:?]+, +(?:[\d.?]+ ?\w+/s|[\d.]+s/\w+)\]",
                         text)
@@ -137,7 +137,7 @@ def test_on_a_terminal_each_stage_shows_a_bar_with_total_rate_and_eta(settings, 
 
 
 def test_text_output_has_iso_times_and_never_says_none(settings, tmp_path):
-    assert kb("ingest", str(small_folder(tmp_path))).returncode == 0
+    assert kb("ingest", str(small_folder(tmp_path)), "--public").returncode == 0
     status = kb("status")
     assert re.search(rf"last crawled {ISO}", status.stdout) and re.search(rf"last run: #1 .* at {ISO}", status.stdout)
     debug = kb("search", "printer duplex jam HR-2024-047", "--debug", "--k", "5")
@@ -149,7 +149,7 @@ def test_text_output_has_iso_times_and_never_says_none(settings, tmp_path):
 
 
 def test_an_as_of_before_the_first_ingest_says_why_nothing_is_found(settings, tmp_path):
-    assert kb("ingest", str(small_folder(tmp_path))).returncode == 0
+    assert kb("ingest", str(small_folder(tmp_path)), "--public").returncode == 0
     out = kb("search", "HR-2024-047", "--as-of", "2024-06-01")
     assert out.returncode == 0
     assert re.match(rf"no results: nothing was in the knowledge base at 2024-06-01T00:00:00\+00:00: its history starts"
@@ -207,7 +207,7 @@ def test_a_server_without_pgvector_is_a_configuration_error(postgres_without_pgv
 
 
 def test_cite_strict_fails_on_an_invalid_citation(settings, tmp_path):
-    assert kb("ingest", str(small_folder(tmp_path))).returncode == 0
+    assert kb("ingest", str(small_folder(tmp_path)), "--public").returncode == 0
     hits = json.loads(kb("search", "primary caregiver paid leave weeks", "--k", "3", "--json").stdout)["chunks"]
     answer = {"claims": [{"text": "Primary caregivers get paid leave.", "citations": [hits[0]["chunk_id"]]},
                          {"text": "Primary caregivers get paid leave.", "citations": [10**9]}],
@@ -225,7 +225,7 @@ def test_cite_strict_fails_on_an_invalid_citation(settings, tmp_path):
 def test_a_file_name_cannot_forge_a_line_of_output(settings, tmp_path):
     folder = small_folder(tmp_path)
     (folder / "evil\nERROR small:forged.md: everything is fine.md").write_bytes(b"")  # an empty file fails
-    out = kb("ingest", str(folder), "--source", "small")
+    out = kb("ingest", str(folder), "--source", "small", "--public")
     assert out.returncode == 3
     errors = [line for line in out.stdout.splitlines() if line.startswith("ERROR")]
     assert len(errors) == 1 and errors[0].startswith("ERROR small:evil\\x0aERROR small:forged.md")  # one failure
@@ -312,7 +312,7 @@ def test_serve_on_a_busy_port_is_one_line_not_uvicorns_log():
 def test_an_openai_endpoint_that_is_not_configured_or_not_listening_fails_at_once(settings, tmp_path):
     """Named before any request, so the client's retries (about 24 s, then `Connection error.`) never start."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("OPENAI_")}
-    one_error_line(kb("ingest", str(small_folder(tmp_path)), env={**env, "KB_EMBEDDER": "openai"}),
+    one_error_line(kb("ingest", str(small_folder(tmp_path)), "--public", env={**env, "KB_EMBEDDER": "openai"}),
                    "KB_EMBEDDER=openai needs an OpenAI-compatible endpoint", "OPENAI_API_KEY", "OPENAI_BASE_URL")
     dead = f"http://127.0.0.1:{free_port()}/v1"
     one_error_line(kb("serve", "--port", str(free_port()), env={**env, "KB_CHAT_MODEL": "gpt-x", "OPENAI_BASE_URL": dead}),
@@ -320,7 +320,7 @@ def test_an_openai_endpoint_that_is_not_configured_or_not_listening_fails_at_onc
 
 
 def test_cite_checks_kb_ask_output_and_refuses_what_is_not_an_answer(settings, tmp_path):
-    assert kb("ingest", str(small_folder(tmp_path))).returncode == 0
+    assert kb("ingest", str(small_folder(tmp_path)), "--public").returncode == 0
     asked = kb("ask", "How many weeks of paid leave does a primary caregiver get?", "--json")
     assert asked.returncode == 0, asked.stderr
     assert json.loads(asked.stdout)["sentences"], asked.stdout
@@ -334,7 +334,7 @@ def test_cite_checks_kb_ask_output_and_refuses_what_is_not_an_answer(settings, t
 
 def test_search_names_an_unknown_source_or_group_and_says_what_it_leaves_out(settings, tmp_path):
     assert kb("ingest", str(small_folder(tmp_path)), "--group", "hr").returncode == 0
-    assert kb("ingest", str(records(tmp_path))).returncode == 0
+    assert kb("ingest", str(records(tmp_path)), "--public").returncode == 0
     one_error_line(kb("search", "printer", "--source-id", "nosuch"), "no source 'nosuch' is declared")
     one_error_line(kb("search", "printer", "--group", "hrr"), "no declared source is readable by group 'hrr'",
                    "groups in use: hr")
@@ -359,7 +359,7 @@ def test_files_of_types_kb_does_not_read_are_skipped_and_listed_not_failed(setti
     folder = small_folder(tmp_path)
     (folder / "photo.png").write_bytes(b"\x89PNG\r\n\x1a\n....")
     (folder / "firmware.bin").write_bytes(b"\x00\x01" * 50)
-    out = kb("ingest", str(folder))
+    out = kb("ingest", str(folder), "--public")
     assert out.returncode == 0, out.stdout
     assert ("skipped 2 files of types kb does not read: small:firmware.bin, small:photo.png; exclude them, or"
             " KB_UNSUPPORTED_FILES=fail to fail them") in out.stdout

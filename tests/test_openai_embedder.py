@@ -123,7 +123,7 @@ def test_an_endpoint_that_answers_another_dimension_for_one_run_changes_nothing(
             monkeypatch.setenv(name, value)
         if requested:
             monkeypatch.setenv("KB_OPENAI_DIMENSIONS", str(requested))
-        kb("ingest", str(records), "--source", "faq")
+        kb("ingest", str(records), "--source", "faq", "--public")
         registered = models()
         assert [row[1:] for row in registered] == [(DIMENSIONS, "active", True)]
 

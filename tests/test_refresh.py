@@ -201,7 +201,7 @@ def vectors_of(conn) -> dict:
 @pytest.mark.parametrize("kill_at", ["parse: ", "embed: "])
 def test_a_run_killed_mid_way_converges_to_the_clean_state(settings, embedder, samples_copy, kill_at):
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "KB_EMBED_BATCH_SIZE": "8"}
-    cmd = [str(Path(sys.executable).parent / "kb"), "ingest", str(samples_copy), "--source", "samples"]
+    cmd = [str(Path(sys.executable).parent / "kb"), "ingest", str(samples_copy), "--source", "samples", "--public"]
     proc = subprocess.Popen(cmd, env=env, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True)
     for line in proc.stderr:  # progress lines are plain on a pipe: kill as the chosen stage starts
         if line.partition(" ")[2].startswith(kill_at):  # after the line's time

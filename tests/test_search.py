@@ -6,7 +6,8 @@ import pytest
 
 from pipelines.ingest.run import ingest
 from pipelines.retrieval.query_class import classify
-from pipelines.retrieval.search import BM25_B, BM25_K1, RRF_K, TIE_SHARE, Filters, search, visible_sources
+from pipelines.retrieval.readable import readable
+from pipelines.retrieval.search import BM25_B, BM25_K1, RRF_K, TIE_SHARE, Filters, search
 from pipelines.settings import SAMPLES_DIR, load_settings
 from pipelines.sources.declarations import add_source, declare
 
@@ -142,7 +143,7 @@ def test_weight_extremes_follow_one_arm(kb, embedder):
 
 
 def test_query_classifier_reads_codes_the_corpus_knows_in_few_chunks(kb):
-    keys = list(visible_sources(kb, []).values())
+    keys = readable(kb, []).keys
 
     def weight(query):
         return classify(kb, query, keys).lexical_weight

@@ -278,8 +278,8 @@ def test_declarations_cannot_widen_access_by_accident(settings, tmp_path):
     hr = {c["document"] for c in kb_json("search", "zebra salary reorg", "--group", "hr", "--k", "10")["chunks"]}
     assert "salaries.md" in hr and not any("reorg" in d for d in hr)  # the excluded drafts are not ingested
 
-    # Removed, then brought back by `kb ingest PATH` without its groups: refused, not public.
+    # Removed, then declared again by `kb ingest PATH` without saying who may read it: refused, not public.
     apply('[sources.other]\nlocation = "share/hr/drafts"\ngroups = ["hr"]\n')
     kb("source", "apply", str(config), "--prune")
     refused = kb("ingest", str(share / "hr"), "--source", "hr", expect=2).output
-    assert "was readable by groups hr before it was removed" in refused
+    assert "needs to say who may read it: add --group G (repeatable) or --public" in refused

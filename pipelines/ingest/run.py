@@ -60,7 +60,7 @@ class IngestSummary:
             "documents_new": ex.get("new", 0),
             "documents_changed": ex.get("changed", 0),
             "documents_unchanged": ex.get("unchanged", 0),
-            "documents_deleted": ex.get("deleted", 0),
+            "documents_deleted": pu.get("deleted", 0),
             "documents_skipped": ex.get("skipped", 0),
             "documents_failed": len({(f.source_id, f.locator) for f in self.failures}),
             "documents_published": pu.get("documents", 0),
@@ -159,8 +159,8 @@ class IngestRun:
     def _gate(self, report: StageReport) -> None:
         """The golden sets of the run's sources, checked on what the stage just published (inside its transaction:
         search here sees the new version, readers elsewhere the old one)."""
-        if not report.counts["documents"]:
-            return  # nothing was published: what serves has not changed
+        if not report.counts["documents"] and not report.counts["deleted"]:
+            return  # nothing was published or deleted: what serves has not changed
         gate = golden_gate(self.conn, self.settings, self.source_ids)
         report.notes["gate"] = gate
         if gate["applicable"] and not gate["passed"]:

@@ -37,7 +37,8 @@ from pipelines.retrieval.responses import (
     run_search,
     serving_problem,
 )
-from pipelines.retrieval.search import Filters, visible_sources
+from pipelines.retrieval.readable import readable
+from pipelines.retrieval.search import Filters
 from pipelines.serving.access import AccessDenied, ApiKey, authenticate, caller_groups
 from pipelines.serving.bounds import (
     MAX_CITATIONS_PER_CLAIM,
@@ -216,6 +217,15 @@ def create_app(settings: Settings | None = None, require_key: bool = False, limi
         except AccessDenied as exc:
             raise HTTPException(status_code=403, detail=str(exc)) from exc
 
+    def readable_or_404(conn: psycopg.Connection, filters: Filters) -> None:
+        """A source the request names must be one the caller may read. A typo answered "no chunks" looked like an
+        empty source; unknown and unreadable read the same, live and as of a time, so a caller learns nothing about
+        sources it may not read."""
+        if filters.source_id is not None and filters.source_id not in readable(conn, filters.groups,
+                                                                               as_of=filters.as_of).sources:
+            raise HTTPException(status_code=404, detail=f"no source {filters.source_id!r} that this caller may read;"
+                                                        " GET /v1/sources lists them")
+
     async def in_lane(request: Request, lane: str, token: str | None,
                       work: Callable[[psycopg.Connection, ApiKey | None], T]) -> T:
         """work(conn, caller's key) in the endpoint class's lane; the key is checked on the lane's connection."""
@@ -252,11 +262,7 @@ def create_app(settings: Settings | None = None, require_key: bool = False, limi
 
         def work(conn: psycopg.Connection, key: ApiKey | None) -> dict:
             filters = Filters(source_id=source_id, groups=groups_for(key, requested), as_of=as_of)
-            if source_id is not None and as_of is None and source_id not in visible_sources(conn, filters.groups):
-                # A typo answered "no chunks" looked like an empty source. Unknown and unreadable read the same,
-                # so a caller learns nothing about sources it may not read.
-                raise HTTPException(status_code=404, detail=f"no source {source_id!r} that this caller may read;"
-                                                            " GET /v1/sources lists them")
+            readable_or_404(conn, filters)
             return run_search(conn, settings, q, k, arm=arm, lexical_weight=lexical_weight, filters=filters,
                               debug=debug, mode=mode, diversity=diversity, freshness=freshness, exact_first=exact_first)
 
@@ -275,6 +281,7 @@ def create_app(settings: Settings | None = None, require_key: bool = False, limi
 
         def work(conn: psycopg.Connection, key: ApiKey | None) -> dict:
             filters = Filters(source_id=body.source_id, groups=groups_for(key, body.groups), as_of=body.as_of)
+            readable_or_404(conn, filters)
             try:
                 return answer_question(conn, settings, body.question, body.k, mode=body.mode, filters=filters,
                                        hyde=body.hyde, compress=body.compress)
@@ -287,7 +294,7 @@ def create_app(settings: Settings | None = None, require_key: bool = False, limi
     async def readable_sources(request: Request, token: str | None = Depends(caller_token)) -> dict:
         """The sources this caller may read (the console's source filter)."""
         return await in_lane(request, "search", token,
-                             lambda conn, key: {"sources": sorted(visible_sources(conn, groups_for(key, None)))})
+                             lambda conn, key: {"sources": sorted(readable(conn, groups_for(key, None)).sources)})
 
     @app.post("/v1/citations/validate")
     async def validate(request: Request, body: CitationRequest, token: str | None = Depends(caller_token)) -> dict:

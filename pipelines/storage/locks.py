@@ -7,7 +7,7 @@ from typing import Iterator
 
 import psycopg
 
-_NAMESPACE = 0x6B62  # "kb": the first key of the two-key advisory lock
+LOCK_NAMESPACE = 0x6B62  # "kb": the first key of the two-key advisory lock (a source's run holds hashtext(source_id))
 
 
 @contextmanager
@@ -16,10 +16,10 @@ def source_locks(conn: psycopg.Connection, source_ids: list[str]) -> Iterator[No
     held = []
     try:
         for source_id in sorted(set(source_ids)):
-            conn.execute("SELECT pg_advisory_lock(%s, hashtext(%s))", (_NAMESPACE, source_id))
+            conn.execute("SELECT pg_advisory_lock(%s, hashtext(%s))", (LOCK_NAMESPACE, source_id))
             held.append(source_id)
         yield
     finally:
         if not (conn.closed or conn.broken):  # a lost connection took its session locks with it; do not hide why
             for source_id in reversed(held):
-                conn.execute("SELECT pg_advisory_unlock(%s, hashtext(%s))", (_NAMESPACE, source_id))
+                conn.execute("SELECT pg_advisory_unlock(%s, hashtext(%s))", (LOCK_NAMESPACE, source_id))
