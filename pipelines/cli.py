@@ -302,6 +302,8 @@ def ingest(paths, source_name, include, exclude, groups, public, allow_deletions
             confirmed = Confirmations(allow_deletions, accept_new_root, retry_failed)
             with IngestRun.open(conn, settings, embedder, source_ids, progress=_progress_factory(not as_json),
                                 confirmed=confirmed, workers=Workers(settings.parse_workers, dask)) as run:
+                for warning in run.warnings:
+                    click.echo(f"note: {warning}", err=True)
                 summary = run.run_all()
         except WorkersUnavailable as unavailable:
             raise UserError(str(unavailable)) from None

@@ -27,7 +27,7 @@ from pipelines.ingest.report import NO_PROGRESS, Progress, StageReport
 from pipelines.ingest.workers import Workers
 from pipelines.models.embedders import Embedder, embedder_for
 from pipelines.settings import Settings
-from pipelines.sources.declarations import load_sources
+from pipelines.sources.declarations import changed_since_applied, load_sources
 from pipelines.storage.locks import source_locks
 from pipelines.storage.vectors import active_model
 
@@ -102,6 +102,8 @@ class IngestRun:
         self.conn, self.settings, self.embedder = conn, settings, embedder
         self.source_ids, self.run_id, self.progress = source_ids, run_id, progress
         self.confirmed, self.workers = confirmed, workers
+        # What whoever started the run should know before reading its outcome (a kb.toml edited but not applied).
+        self.warnings = changed_since_applied(conn, source_ids)
 
     @classmethod
     @contextmanager
