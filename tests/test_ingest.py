@@ -141,7 +141,9 @@ def test_cli_ingest_json_reports_counters_errors_and_exit_status(settings, sampl
 
     status = runner.invoke(main, ["status", "--json"])
     sources = {s["source_id"]: s for s in json.loads(status.stdout)["sources"]}
-    assert sources["handbook"]["documents"] == 9 and sources["handbook"]["failed"] == 1
+    # hb lies inside handbook's folder: its files moved to it when it was declared (a file belongs to one source)
+    assert sources["hb"]["documents"] >= 1 and sources["handbook"]["failed"] == 1
+    assert sources["handbook"]["documents"] + sources["hb"]["documents"] == 9
 
 
 def test_cli_usage_errors_exit_2(settings):

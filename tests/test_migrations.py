@@ -43,8 +43,10 @@ ORDER BY 1, 2
 """
 # Counted terms (from sql/014, a term only closed chunks hold also has a row, counting nothing: its postings need a key)
 TERMS = "SELECT term, source_key, df, postings FROM lexical_terms WHERE postings > 0 ORDER BY 1, 2"
-# The BM25 trigger functions as they were before sql/014, which changed the postings they write.
+# The BM25 trigger functions as they were before sql/014, which changed the postings they write, and before sql/015,
+# which added the statistics' history they keep.
 FUNCTIONS_BEFORE_014 = Path(__file__).parent / "data" / "lexical_functions_before_014.sql"
+FUNCTIONS_BEFORE_015 = Path(__file__).parent / "data" / "lexical_functions_before_015.sql"
 
 
 def _migrations_through(tmp_path, last: int):
@@ -54,8 +56,9 @@ def _migrations_through(tmp_path, last: int):
     for version, path in migration_files(old):
         if version > last:
             path.unlink()
-    if last < 14:
-        shutil.copy(FUNCTIONS_BEFORE_014, old / "functions" / "lexical.sql")
+    if last < 15:
+        shutil.copy(FUNCTIONS_BEFORE_014 if last < 14 else FUNCTIONS_BEFORE_015, old / "functions" / "lexical.sql")
+        (old / "functions" / "sources.sql").unlink()
     return old
 
 
@@ -152,7 +155,8 @@ def test_compact_postings_migrate_a_database_built_before_them_in_place(settings
         raw.execute("DELETE FROM chunks WHERE chunk_id = %s", (odd,))
         assert raw.execute(POSTINGS).fetchall() == before["postings"], "nothing changed by the refused migration"
 
-        assert migrate(raw) == ["014_compact_postings.sql", "functions/lexical.sql"]
+        applied = migrate(raw)
+        assert applied[0] == "014_compact_postings.sql" and "functions/lexical.sql" in applied
         without_in_body = [row[:6] for row in before["postings"]]
         assert [row[:6] for row in raw.execute(POSTINGS_014)] == without_in_body
         assert raw.execute(chunks).fetchall() == before["chunks"]
@@ -176,3 +180,43 @@ def test_compact_postings_migrate_a_database_built_before_them_in_place(settings
         assert [h.content for h in hits] == ["cable HR-2024-047 replaced"]
         conn.execute("UPDATE chunks SET valid_to = now() WHERE text_hash = 'cable'")
         assert conn.execute("SELECT df, postings FROM lexical_terms WHERE term = 'encod'").fetchone() == (0, 0)
+
+
+def test_declarations_and_statistics_history_migrate_a_database_built_before_them(settings, tmp_path):
+    """sql/015: a removed source is renamed so its name is free and its history keeps its readers; the statistics'
+    history is rebuilt from the chunks' validity, so that summed up to any time it gives the statistics of the
+    chunks valid then, and summed up to now the live ones."""
+    with psycopg.connect(settings.database_url, autocommit=True) as raw:
+        migrate(raw, _migrations_through(tmp_path, 14))
+        for name, removed in (("kept", False), ("gone", True)):
+            raw.execute("INSERT INTO sources (source_id, kind, location, removed_at) VALUES (%s, 'folder', '/x', %s)",
+                        (name, "2026-01-01" if removed else None))
+            document = raw.execute("INSERT INTO documents (source_id, locator, doc_format, size_bytes, content_hash)"
+                                   " VALUES (%s, 'a.md', 'md', 1, 'h') RETURNING document_id", (name,)).fetchone()[0]
+            for ordinal, (text, valid_from, valid_to) in enumerate((
+                    ("Encoder cable replaced", "2026-01-01", "2026-03-01"),
+                    ("Encoder belt checked twice", "2026-02-01", None),
+                    ("Drive belt encoder manual", "2026-04-01", None))):
+                raw.execute("INSERT INTO chunks (document_id, ordinal, kind, text, embed_prefix, text_hash,"
+                            " section_path, token_count, chunker_version, enrich_version, valid_from, valid_to)"
+                            " VALUES (%s, %s, 'text', %s, 'Manual\n\n', %s, '{}', 4, 'c', 'e', %s, %s)",
+                            (document, ordinal, text, f"{name}{ordinal}", valid_from, valid_to))
+        live_terms = raw.execute("SELECT term_key, df, postings FROM lexical_terms ORDER BY 1").fetchall()
+        live_stats = raw.execute("SELECT source_key, chunks, total_length FROM lexical_stats ORDER BY 1").fetchall()
+        assert "015_declarations_decide_access.sql" in migrate(raw)
+
+        assert [r[0] for r in raw.execute("SELECT source_id FROM sources ORDER BY source_key")] == ["kept", "gone~2"]
+        assert raw.execute("SELECT count(*) FROM documents WHERE source_id = 'gone~2'").fetchone()[0] == 1
+        summed = raw.execute("SELECT t.term_key, coalesce(sum(h.df), 0), coalesce(sum(h.postings), 0)"
+                             " FROM lexical_terms t LEFT JOIN lexical_terms_history h USING (term_key)"
+                             " GROUP BY 1 ORDER BY 1").fetchall()
+        assert summed == live_terms
+        assert raw.execute("SELECT source_key, sum(chunks), sum(total_length) FROM lexical_stats_history"
+                           " GROUP BY 1 ORDER BY 1").fetchall() == live_stats
+        for when, valid in (("2026-01-15", 1), ("2026-02-15", 2), ("2026-03-15", 1), ("2026-05-01", 2)):
+            chunks = raw.execute("SELECT sum(chunks) FROM lexical_stats_history WHERE source_key = 1"
+                                 " AND changed_at <= %s", (when,)).fetchone()[0]
+            encoder = raw.execute("SELECT sum(h.df) FROM lexical_terms_history h JOIN lexical_terms t USING (term_key)"
+                                  " WHERE t.source_key = 1 AND t.term = 'encod' AND h.changed_at <= %s",
+                                  (when,)).fetchone()[0]
+            assert (chunks, encoder) == (valid, valid), when  # every chunk's own text holds "encoder"

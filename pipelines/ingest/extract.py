@@ -483,7 +483,11 @@ def crawl_source(conn: psycopg.Connection, source: Source, report: StageReport, 
         for folder, owner in sorted(crawl.found.items()):
             _hand_over(conn, crawl, folder, owner, known)
         gone = _deletions(crawl, known, allow_deletions)
-        # Marked, not deleted: the run's gated publish deletes them in the transaction that publishes the rest.
+        # What served is marked, not deleted: the run's gated publish deletes it in the transaction that publishes
+        # the rest. What never served (a file that failed) changes nothing that serves, and is forgotten now.
+        conn.execute("SELECT kb_soft_delete_documents(%s, ARRAY(SELECT locator FROM documents WHERE source_id = %s"
+                     " AND locator = ANY(%s) AND deleted_at IS NULL AND published_key IS NULL))",
+                     (source.source_id, source.source_id, gone))
         conn.execute("UPDATE documents SET vanished_at = CASE WHEN locator = ANY(%(gone)s) THEN now() END"
                      " WHERE source_id = %(id)s AND deleted_at IS NULL"
                      " AND (vanished_at IS NOT NULL OR locator = ANY(%(gone)s))",

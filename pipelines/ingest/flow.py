@@ -69,13 +69,13 @@ def _embed(run: "IngestRun", progress: Progress) -> StageReport:
     from pipelines.ingest.embed import embed_on_dask, embed_pending
 
     configured, *others = run.models_in_use()
-    batch = run.settings.embed_batch_size
-    if run.workers.dask:
+    batch, shards = run.settings.embed_batch_size, [run.shard] if run.shard else None
+    if run.workers.dask and not shards:
         return embed_on_dask(run.conn, run.settings, [configured, *others], run.source_ids, run.workers.dask, batch,
                              progress)
-    report = embed_pending(run.conn, configured, run.source_ids, batch_size=batch, progress=progress)
+    report = embed_pending(run.conn, configured, run.source_ids, shards, batch_size=batch, progress=progress)
     for other in others:
-        embed_pending(run.conn, other, run.source_ids, batch_size=batch)
+        embed_pending(run.conn, other, run.source_ids, shards, batch_size=batch)
     return report
 
 

@@ -36,6 +36,7 @@ ProgressFactory = Callable[[str], Progress]
 
 EXIT_FILE_FAILURES = 3  # documented in README: the run finished, but some files failed
 EXIT_GATE_FAILED = 4  # the golden-set gate stopped the refresh: nothing of it was published
+SHARD_MARK = ":"  # a stage's report of one shard is recorded as "embed:3"
 
 
 @dataclass
@@ -98,10 +99,11 @@ class IngestRun:
     """One run of the flow over some sources, recorded in `ingest_runs`. Open it with `IngestRun.open`."""
 
     def __init__(self, conn: psycopg.Connection, settings: Settings, embedder: Embedder, source_ids: list[str],
-                 run_id: int, progress: ProgressFactory, confirmed: "Confirmations", workers: Workers):
+                 run_id: int, progress: ProgressFactory, confirmed: "Confirmations", workers: Workers,
+                 shard: str | None = None):
         self.conn, self.settings, self.embedder = conn, settings, embedder
         self.source_ids, self.run_id, self.progress = source_ids, run_id, progress
-        self.confirmed, self.workers = confirmed, workers
+        self.confirmed, self.workers, self.shard = confirmed, workers, shard
         # What whoever started the run should know before reading its outcome (a kb.toml edited but not applied).
         self.warnings = changed_since_applied(conn, source_ids)
 
@@ -110,13 +112,15 @@ class IngestRun:
     def open(cls, conn: psycopg.Connection, settings: Settings, embedder: Embedder,
              source_ids: list[str] | None = None, *, started_by: str = "cli", external_run_id: str | None = None,
              progress: ProgressFactory = _no_progress, confirmed: "Confirmations | None" = None,
-             workers: Workers | None = None) -> Iterator["IngestRun"]:
+             workers: Workers | None = None, shard: str | None = None) -> Iterator["IngestRun"]:
         """A run over these sources (every declared source when None), holding their locks until it has finished.
         A run of an orchestrator (one Dagster run id) is one row, however many times it is opened. `workers` parse
         the documents (default: KB_PARSE_WORKERS local processes); the run's own process keeps the lock and stores
-        what they return."""
+        what they return. `shard` (a hex digit) narrows the run to the texts whose hash starts with it: a model
+        backfill is such runs, one per shard, side by side under shared locks (they only add vectors), recorded on
+        one row with a report per shard."""
         ids = sorted(source_ids or [s.source_id for s in load_sources(conn)])
-        with source_locks(conn, ids):
+        with source_locks(conn, ids, shared=shard is not None):
             run_id = conn.execute(
                 "INSERT INTO ingest_runs (sources, started_by, external_run_id) VALUES (%s, %s, %s)"
                 " ON CONFLICT (external_run_id) DO UPDATE SET sources = ("
@@ -124,7 +128,7 @@ class IngestRun:
                 "   finished_at = NULL"
                 " RETURNING run_id", (ids, started_by, external_run_id)).fetchone()[0]
             run = cls(conn, settings, embedder, ids, run_id, progress, confirmed or Confirmations(),
-                      workers or Workers(settings.parse_workers))
+                      workers or Workers(settings.parse_workers), shard)
             try:
                 yield run
             except BaseException as exc:
@@ -169,12 +173,16 @@ class IngestRun:
             raise GateFailed(gate)
 
     def _record(self, stage: str, report: StageReport) -> None:
+        key = f"{stage}{SHARD_MARK}{self.shard}" if self.shard else stage
         self.conn.execute("UPDATE ingest_runs SET stages = stages || jsonb_build_object(%s::text, %s::jsonb)"
-                          " WHERE run_id = %s", (stage, Jsonb(report.as_dict()), self.run_id))
+                          " WHERE run_id = %s", (key, Jsonb(report.as_dict()), self.run_id))
 
     def summary(self) -> IngestSummary:
+        """The run's stages as recorded; a stage run in shards (a backfill) counts as one, its shards summed."""
         stored = self.conn.execute("SELECT stages FROM ingest_runs WHERE run_id = %s", (self.run_id,)).fetchone()[0]
-        return IngestSummary([StageReport.from_dict(name, stored[name]) for name in STAGE_NAMES if name in stored])
+        return IngestSummary([StageReport.merged(name, [StageReport.from_dict(name, data) for key, data in
+                                                        sorted(stored.items()) if key.split(SHARD_MARK)[0] == name])
+                              for name in STAGE_NAMES if any(key.split(SHARD_MARK)[0] == name for key in stored)])
 
     def models_in_use(self) -> list[Embedder]:
         """The configured model first, then the serving one when it is another (during a switch). A model being
