@@ -11,7 +11,8 @@ from pathlib import Path
 
 import dagster as dg
 
-from assets.automation import SENSORS, ingest_job, kb_automation, scheduled_refresh, source_change_sensor
+from assets.automation import (SENSORS, ingest_job, kb_automation, scheduled_refresh, scheduled_refresh_sensor,
+                               source_change_sensor)
 from assets.definitions import defs
 from assets.ingestion import ingest_flow
 from assets.partitions import SOURCES, sources
@@ -118,9 +119,10 @@ def test_declared_crons_fire_without_a_click(conn, instance, tmp_path):
     add_source(conn, declare("minutely", tmp_path / "minutely", refresh_cron="* * * * *"), "tests")
     add_source(conn, declare("yearly", tmp_path / "yearly", refresh_cron="0 0 1 1 *"), "tests")
     instance.add_dynamic_partitions(SOURCES, ["minutely", "yearly"])
-    two_minutes_ago = (datetime.now(timezone.utc) - timedelta(minutes=2)).isoformat()
-    context = dg.build_sensor_context(instance=instance, cursor=two_minutes_ago, resources={"kb": KnowledgeBase()})
-    assert [r.partition_key for r in scheduled_refresh(context)] == ["minutely"]
+    now = datetime(2026, 12, 31, 23, 59, 30, tzinfo=timezone.utc)  # a set clock: the yearly cron is 30 s away
+    context = dg.build_sensor_context(instance=instance, cursor=(now - timedelta(minutes=2)).isoformat(),
+                                      resources={"kb": KnowledgeBase()})
+    assert [r.partition_key for r in scheduled_refresh_sensor(clock=lambda: now)(context)] == ["minutely"]
 
 
 def test_a_cli_run_is_visible_in_the_instance_with_the_assets_metadata(conn, instance, tmp_path):
