@@ -8,6 +8,7 @@ each test (and the session's own fixtures) left the repository's files and its .
 
 from __future__ import annotations
 
+import fnmatch
 import os
 import shutil
 import subprocess
@@ -58,9 +59,30 @@ def own_working_directory(tmp_path_factory, monkeypatch) -> None:
 def repository_files(environment: dict) -> list[str]:
     """The repository's files as a clone of the working tree would hold them: tracked or not yet tracked, uncommitted
     changes included, nothing git ignores (no .venv, no .kb)."""
-    listed = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"], cwd=REPO_ROOT,
-                            env=environment, capture_output=True, check=True, timeout=60).stdout.decode()
+    try:
+        listed = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"], cwd=REPO_ROOT,
+                                env=environment, capture_output=True, check=True, timeout=60).stdout.decode()
+    except (OSError, subprocess.CalledProcessError):  # no git, or an unpacked archive rather than a checkout
+        return _files_not_ignored()
     return [name for name in listed.split("\0") if name and (REPO_ROOT / name).is_file()]
+
+
+def _files_not_ignored() -> list[str]:
+    """Every file below the repository root but .git and what .gitignore names (each line a name, a glob or a
+    folder path, as kb's .gitignore writes them)."""
+    ignored = [line.strip().strip("/") for line in (REPO_ROOT / ".gitignore").read_text().splitlines()
+               if line.strip() and not line.startswith("#")] + [".git"]
+
+    def kept(relative: Path) -> bool:
+        return not any(fnmatch.fnmatch(part, pattern) for part in relative.parts for pattern in ignored) and not any(
+            relative.as_posix().startswith(pattern + "/") for pattern in ignored)
+
+    files = []
+    for folder, subfolders, names in os.walk(REPO_ROOT):  # never into an ignored folder (a .venv is 2.7 GB)
+        here = Path(folder).relative_to(REPO_ROOT)
+        subfolders[:] = [name for name in subfolders if kept(here / name)]
+        files += [(here / name).as_posix() for name in names if kept(here / name)]
+    return sorted(files)
 
 
 def _stamp(path: Path) -> tuple[int, int] | None:
