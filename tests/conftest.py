@@ -109,31 +109,38 @@ def _repository_state(environment: dict) -> dict[str, tuple | None]:
     return state
 
 
-def _left_as_found(before: dict, after: dict, who: str) -> None:
-    changed = sorted(name for name in before.keys() | after.keys() if before.get(name, 0) != after.get(name, 0))
+def _changes(before: dict, after: dict) -> set[str]:
+    return {name for name in before.keys() | after.keys() if before.get(name, 0) != after.get(name, 0)}
+
+
+def _fail_on(changed: set[str], who: str) -> None:
     if changed:
-        pytest.fail(f"{who} changed the repository (under {REPO_ROOT}): {', '.join(changed[:20])}"
-                    f"{' ...' if len(changed) > 20 else ''}. A test writes only under its tmp_path; if a process of"
+        shown = sorted(changed)
+        pytest.fail(f"{who} changed the repository (under {REPO_ROOT}): {', '.join(shown[:20])}"
+                    f"{' ...' if len(shown) > 20 else ''}. A test writes only under its tmp_path; if a process of"
                     " your own (an editor, `make dev`, `kb serve` on ./.kb) changed them during the run, run again.",
                     pytrace=False)
 
 
 @pytest.fixture(scope="session", autouse=True)
-def repository_untouched_by_the_session(pytestconfig):
-    """The tripwire for session fixtures (the embedded server, the model) and for anything between tests."""
+def repository_untouched_by_the_session(pytestconfig) -> Iterator[set[str]]:
+    """The tripwire for session fixtures (the embedded server, the model) and for anything between tests. Yields the
+    names already reported against a test, so that each change is reported once."""
     environment = pytestconfig.stash[USER_ENVIRONMENT]
-    before = _repository_state(environment)
-    yield
-    _left_as_found(before, _repository_state(environment), "the test session")
+    before, reported = _repository_state(environment), set()
+    yield reported
+    _fail_on(_changes(before, _repository_state(environment)) - reported, "the test session, outside any test,")
 
 
 @pytest.fixture(autouse=True)
-def repository_untouched(pytestconfig):
+def repository_untouched(pytestconfig, repository_untouched_by_the_session) -> Iterator[None]:
     """The tripwire for each test: a test that wrote into the repository or its ./.kb fails, by name."""
     environment = pytestconfig.stash[USER_ENVIRONMENT]
     before = _repository_state(environment)
     yield
-    _left_as_found(before, _repository_state(environment), "this test")
+    changed = _changes(before, _repository_state(environment))
+    repository_untouched_by_the_session.update(changed)
+    _fail_on(changed, "this test")
 
 
 @pytest.fixture(scope="session")
