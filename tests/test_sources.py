@@ -145,7 +145,7 @@ def test_a_cron_is_due_in_the_first_tick_at_or_after_it_fires():
     assert due("2026-03-16T23:59", "2026-03-17T00:01").keys() == {"samples"}  # across midnight
     assert due("2026-12-31T23:59", "2027-01-01T00:00:30") == {"samples": ("0 * * * *", utc("2027-01-01T00:00")),
                                                               "new-year": ("0 0 1 1 *", utc("2027-01-01T00:00"))}
-    assert due("2026-01-31T05:00", "2026-02-01T07:00") == {  # a day missed across a month: one refresh, once
+    assert due("2026-01-31T05:00", "2026-02-01T07:00") == {  # a day missed, over a month end: each asked once
         "faq": ("0 6 * * *", utc("2026-01-31T06:00")), "samples": ("0 * * * *", utc("2026-01-31T06:00"))}
 
 
