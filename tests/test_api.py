@@ -114,7 +114,9 @@ def console_dom(settings, url_path: str) -> str:
     server = uvicorn.Server(uvicorn.Config(create_app(settings), host="127.0.0.1", port=0, log_level="warning"))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
+    deadline = time.monotonic() + 60
     while not server.started:
+        assert thread.is_alive() and time.monotonic() < deadline, "the API server did not start"
         time.sleep(0.05)
     port = server.servers[0].sockets[0].getsockname()[1]
     try:
@@ -233,7 +235,7 @@ def test_a_flood_of_citation_checks_cannot_starve_search_or_health(client, monke
             time.sleep(0.05)
         assert len(responses) == 8, f"{len(responses)} of the 8 requests beyond the citations lane were answered"
         assert all(r.status_code == 503 and "busy, retry" in r.json()["detail"] for r in responses)
-        assert entered.acquire(timeout=1) and entered.acquire(timeout=1) and not entered.acquire(timeout=0)
+        assert entered.acquire(timeout=60) and entered.acquire(timeout=60) and not entered.acquire(timeout=0)
         search = within(10, lambda: client.get("/v1/knowledge/search", params={"q": "parental leave"}))
         assert search.status_code == 200 and search.json()["chunks"]
         health = within(10, lambda: client.get("/health"))

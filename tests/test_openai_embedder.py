@@ -51,7 +51,7 @@ def test_too_many_failures_raise(settings):
 
 
 def test_concurrency_is_bounded(settings):
-    with FakeOpenAI(delay_s=0.2) as fake:
+    with FakeOpenAI(meet=2, delay_s=0.2) as fake:  # the first waits for a second; held, a third would show
         embedder = OpenAIEmbedder(openai_settings(settings, fake, openai_batch_size=1, openai_concurrency=2))
         embedder.embed([f"t{i}" for i in range(8)])
     assert fake.max_in_flight == 2

@@ -8,12 +8,12 @@ import signal
 import subprocess
 import sys
 import threading
-import time
-from datetime import datetime, timedelta, timezone
+from datetime import timedelta
 from pathlib import Path
 
 import numpy as np
 import pytest
+from deadline import killed_after
 
 from pipelines.ingest import chunk as drafts
 from pipelines.ingest import publish
@@ -61,9 +61,7 @@ def test_editing_one_section_re_embeds_only_its_chunks_and_keeps_history(conn, e
     run(conn, embedder, samples_copy)
     before = live_texts(conn)
     ids_before = dict(conn.execute("SELECT text, chunk_id FROM chunks WHERE valid_to IS NULL AND kind <> 'card'").fetchall())
-    time.sleep(0.05)
-    between = datetime.now(timezone.utc)
-    time.sleep(0.05)
+    between = conn.execute("SELECT clock_timestamp()").fetchone()[0]  # the clock that stamps versions
     path = samples_copy / POLICY
     path.write_text(path.read_text().replace("up to 10 days of paid family care leave", "up to 12 days of paid family care leave"))
 
@@ -203,15 +201,16 @@ def test_a_run_killed_mid_way_converges_to_the_clean_state(settings, embedder, s
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "KB_EMBED_BATCH_SIZE": "8"}
     cmd = [str(Path(sys.executable).parent / "kb"), "ingest", str(samples_copy), "--source", "samples", "--public"]
     proc = subprocess.Popen(cmd, env=env, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True)
-    for line in proc.stderr:  # progress lines are plain on a pipe: kill as the chosen stage starts
-        if line.partition(" ")[2].startswith(kill_at):  # after the line's time
-            proc.send_signal(signal.SIGKILL)
-            break
-    proc.wait()
+    with killed_after(proc):
+        for line in proc.stderr:  # progress lines are plain on a pipe: kill as the chosen stage starts
+            if line.partition(" ")[2].startswith(kill_at):  # after the line's time
+                proc.send_signal(signal.SIGKILL)
+                break
+        proc.wait(timeout=600)
     assert proc.returncode == -signal.SIGKILL
     with connect(settings) as conn:
         assert conn.execute("SELECT count(*) FROM chunks").fetchone()[0] == 0  # nothing half-published
-    assert subprocess.run(cmd, env=env, capture_output=True).returncode == 0
+    assert subprocess.run(cmd, env=env, capture_output=True, timeout=600).returncode == 0
     with connect(settings) as conn:
         resumed, resumed_vectors = content_of(conn), vectors_of(conn)
         conn.execute("TRUNCATE sources, documents, elements, chunk_drafts, chunks, failures, document_versions,"
@@ -242,8 +241,8 @@ def test_two_concurrent_runs_of_one_source_do_the_work_once(settings, embedder, 
     for t in threads:
         t.start()
     for t in threads:
-        t.join()
-    assert errors == []
+        t.join(timeout=600)
+    assert errors == [] and not any(t.is_alive() for t in threads)
     assert sorted(c["documents_new"] for c in counters) == [0, 9]
     assert sorted(c["embeddings_computed"] for c in counters)[0] == 0
     with connect(settings) as conn:

@@ -315,13 +315,9 @@ def test_filtered_searches_are_exact_whichever_path_they_take(kb, embedder, monk
 
 
 def test_as_of_reads_are_pruned_over_the_chunks_valid_then(kb, embedder, samples_copy, monkeypatch):
-    import time
-    from datetime import datetime, timezone
-
     import pipelines.retrieval.search as search_module
 
-    before = datetime.now(timezone.utc)
-    time.sleep(0.05)
+    before = kb.execute("SELECT clock_timestamp()").fetchone()[0]  # the clock that stamps versions
     policy = samples_copy / "handbook/leave-policy.md"
     policy.write_text(policy.read_text().replace("20 weeks", "26 weeks"))
     ingest(kb, embedder, load_settings())
@@ -342,9 +338,6 @@ def test_an_as_of_read_before_every_document_changed_reads_that_time_from_histor
                                                                                    monkeypatch):
     """When every chunk live today was written after the as-of time, the version served then lives only in history:
     the pruned read finds it there (skipping the live postings) with the scores of an exact read."""
-    import time
-    from datetime import datetime, timezone
-
     import pipelines.retrieval.search as search_module
 
     folder = tmp_path / "notes"
@@ -356,9 +349,7 @@ def test_an_as_of_read_before_every_document_changed_reads_that_time_from_histor
         (folder / name).write_text(text)
     add_source(conn, declare("notes", folder), "tests")
     ingest(conn, embedder, load_settings(), ["notes"])
-    time.sleep(0.05)
-    before = datetime.now(timezone.utc)
-    time.sleep(0.05)
+    before = conn.execute("SELECT clock_timestamp()").fetchone()[0]  # the clock that stamps versions
     (folder / "leave.md").write_text("# Leave\n\nEvery parent now gets 26 weeks of paid leave.\n")
     (folder / "travel.md").write_text("# Travel\n\nFly only when the train takes more than six hours.\n")
     ingest(conn, embedder, load_settings(), ["notes"])

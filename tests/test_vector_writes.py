@@ -82,7 +82,7 @@ def test_shards_starting_together_register_a_new_model_once(conn, settings):
 
     from pipelines.storage.database import connect
 
-    start = Barrier(8)
+    start = Barrier(8, timeout=60)
 
     def shard(_: int) -> str:
         with connect(settings) as own:
