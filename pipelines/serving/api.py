@@ -5,8 +5,9 @@ GET /                                                      a search console for 
 
 Access is decided here, not by the caller: a request's key (`Authorization: Bearer <key>` or `X-API-Key: <key>`,
 created with `kb keys create`) carries the groups it may read; `groups=` can only narrow them. A request without a
-key reads public sources only (or is refused when the server runs with require_key). A wrong or revoked key, or an
-Authorization header that is not `Bearer <key>`, is a 401, never a fall-back to public.
+key reads public sources only (or is refused when the server runs with require_key). A wrong or revoked key, an
+Authorization header that is not `Bearer <key>`, or more than one credential in a request, is a 401, never a
+fall-back to public.
 
 Every request is bounded in size, time and concurrency (pipelines/serving/bounds.py).
 """
@@ -182,25 +183,27 @@ def create_app(settings: Settings | None = None, require_key: bool = False, limi
 
     async def caller_token(request: Request, _bearer: HTTPAuthorizationCredentials | None = Depends(bearer),
                            _header: str | None = Depends(header)) -> str | None:
-        """The key a request carries, read from the raw headers (the security dependencies only document them):
-        a header that is present but does not hold a key is a 401, so a caller that meant to authenticate is
-        never served as anonymous."""
-        authorization, api_key = request.headers.get("authorization"), request.headers.get("x-api-key")
-        token = None
-        if authorization is not None:
-            scheme, _, value = authorization.strip().partition(" ")
+        """The key a request carries, read from the raw headers (the security dependencies only document them).
+        A request carries at most one credential: with several (two X-API-Key headers, Bearer then Basic, or an
+        Authorization beside an X-API-Key, even holding the same key) the first used to win, so a header a proxy
+        added could shadow the caller's or the other way round. A header that is present but does not hold a key
+        is a 401 too, so a caller that meant to authenticate is never served as anonymous."""
+        authorizations, api_keys = request.headers.getlist("authorization"), request.headers.getlist("x-api-key")
+        if len(authorizations) + len(api_keys) > 1:
+            raise unauthorized(f"one credential per request, got {len(authorizations) + len(api_keys)}: send a"
+                               " single 'Authorization: Bearer <key>' or a single 'X-API-Key: <key>' header")
+        if authorizations:
+            scheme, _, value = authorizations[0].strip().partition(" ")
             if scheme.lower() != "bearer" or not value.strip():
                 raise unauthorized("malformed Authorization header: expected 'Bearer <key>'")
-            token = value.strip()
-        if api_key is not None:
-            if not api_key.strip():
+            return value.strip()
+        if api_keys:
+            if not api_keys[0].strip():
                 raise unauthorized("empty X-API-Key header")
-            if token is not None and token != api_key.strip():
-                raise unauthorized("Authorization and X-API-Key carry different keys")
-            token = api_key.strip()
-        if token is None and require_key:
+            return api_keys[0].strip()
+        if require_key:
             raise unauthorized("this server requires an API key")
-        return token
+        return None
 
     def key_for(conn: psycopg.Connection, token: str | None) -> ApiKey | None:
         if token is None:
