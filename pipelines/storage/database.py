@@ -344,10 +344,11 @@ def describe_lost_connection(error: psycopg.OperationalError, settings: Settings
     """What a user needs when the database goes away mid-run, or its disk fills: where, why, and what is safe."""
     cause = " ".join(str(error).split()) or type(error).__name__
     if isinstance(error, psycopg.errors.DiskFull):
-        return (f"the disk holding PostgreSQL's data ({location(settings)}) is full: {cause}. Work committed before this"
-                " point is kept; free some disk space, then run the command again, and it resumes where it stopped.")
-    return (f"lost the connection to PostgreSQL ({location(settings)}): {cause}. Work committed before this point is kept;"
-            " run the command again once the server is back, and it resumes where it stopped.")
+        return (f"the disk holding PostgreSQL's data ({location(settings)}) is full: {cause}. Work committed before"
+                " this point is kept; free some disk space, then run the command again, and it resumes where it"
+                " stopped.")
+    return (f"lost the connection to PostgreSQL ({location(settings)}): {cause}. Work committed before this point is"
+            " kept; run the command again once the server is back, and it resumes where it stopped.")
 
 
 def ensure_database(server_url: str, dbname: str) -> str:

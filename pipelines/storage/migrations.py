@@ -215,7 +215,7 @@ def estimate(conn: psycopg.Connection, item: SchemaFile) -> Cost:
         return Cost({}, 0)
     declared = _DECLARED.search(item.text)
     if declared:
-        parts = {part.strip().partition(" ")[0]: part.strip().partition(" ")[2] for part in declared.group(1).split(";")}
+        parts = dict(part.strip().partition(" ")[::2] for part in declared.group(1).split(";"))
         tables = [t.strip() for t in parts.get("rewrites", "").split(",") if t.strip()]
         hnsw = "hnsw" in parts.get("rebuilds", "").lower()
     else:
