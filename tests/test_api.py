@@ -97,7 +97,7 @@ def test_openapi_documents_the_endpoint(client):
     assert {"q", "k", "source_id", "mode", "debug"} <= params
 
 
-def test_empty_knowledge_base_is_a_409(settings):
+def test_empty_knowledge_base_is_a_409(settings, conn):  # conn: installed, as any kb command would (serving never does)
     with TestClient(create_app(settings)) as empty:
         response = empty.get("/v1/knowledge/search", params={"q": "anything"})
     assert response.status_code == 409 and "kb ingest" in response.json()["detail"]
