@@ -7,6 +7,7 @@ from assets.executors import kb_executor
 from assets.ingestion import ingest_flow
 from assets.maintenance import MAINTENANCE_ASSETS
 from assets.resources import KnowledgeBase
+from assets.schema import migrate_job
 
 # Settings and secrets come from the code location's environment when a step runs (assets/resources.py): nothing of
 # them is in the definitions or the launchpad, and no run config can change them.
@@ -14,7 +15,7 @@ kb = KnowledgeBase()
 
 defs = dg.Definitions(
     assets=[ingest_flow, *MAINTENANCE_ASSETS],
-    jobs=[ingest_job, reembed_job],
+    jobs=[ingest_job, reembed_job, migrate_job],
     sensors=SENSORS,
     resources={"kb": kb},
     executor=kb_executor,

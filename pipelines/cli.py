@@ -690,6 +690,67 @@ def _check_port_free(host: str, port: int) -> None:
                             " or give another --port") from None
 
 
+@main.command(name="migrate")
+@click.option("--wait", "wait_s", default=60.0, show_default=True, type=click.FloatRange(0, None),
+              help="Seconds to wait for the migration lock while another process holds it.")
+@click.option("--json", "as_json", is_flag=True)
+def migrate_command(wait_s, as_json) -> None:
+    """Install or upgrade kb's schema: run it after upgrading kb (until then serving answers 503 and other commands
+    say to run it). Says what is pending and about how long it will take before it starts, then applies each file
+    in its own transaction and prints its time. Nothing pending: says so."""
+    import psycopg
+
+    from pipelines.storage.database import location, upgrade_schema
+    from pipelines.storage.migrations import RATES, MigrationLockBusy, duration, estimate
+
+    settings = load_settings()
+    plan, applied = [], []
+
+    def say(line: str) -> None:
+        click.echo(line, err=as_json)  # with --json, progress goes to stderr and stdout is the JSON alone
+
+    def before(conn, files) -> None:
+        plan.extend({"name": item.name, **estimate(conn, item).as_dict()} for item in files)
+        say(f"{_count(len(plan), 'file')} pending in {location(settings)}: "
+            + "; ".join(f"{step['name']} ({step['work']})" for step in plan))
+        say(f"estimate: {duration(sum(step['estimate_s'] for step in plan))} ({RATES}); serving answers 503 until"
+            " it is done")
+
+    def done(item, seconds: float) -> None:
+        applied.append({"name": item.name, "elapsed_s": round(seconds, 3)})
+        say(f"applied {item.name} in {seconds:.2f} s")
+
+    try:
+        upgrade_schema(settings, wait_s=wait_s, before=before, applied=done)
+    except MigrationLockBusy as busy:
+        raise UserError(str(busy)) from None
+    except psycopg.Error as exc:
+        if isinstance(exc, psycopg.OperationalError) or len(applied) == len(plan):
+            raise
+        failed = plan[len(applied)]["name"]
+        raise click.ClickException(f"{failed} failed: {' '.join(str(exc).split())}. The files before it are applied"
+                                   " and kept, nothing of it is; fix the cause, then run `kb migrate` again") from exc
+    data = {"database": location(settings), "pending": plan, "applied": applied,
+            "elapsed_s": round(sum(step["elapsed_s"] for step in applied), 3)}
+    _emit(data, as_json, f"kb's schema in {location(settings)} is up to date: "
+          + (f"applied {_count(len(applied), 'file')} in {data['elapsed_s']:.2f} s" if applied else "nothing to migrate"))
+
+
+@main.command()
+@click.option("--force", is_flag=True, help="Stop it even while other kb processes use it (they lose their"
+                                            " connections; a running `kb serve` answers 503 from then on).")
+def stop(force) -> None:
+    """Stop the embedded PostgreSQL of this KB_HOME. It runs for as long as some kb process uses it and stops with
+    the last one, but a process killed without running its exit handlers (SIGKILL, or SIGTERM to most commands)
+    leaves it running. Refuses, naming them, while other kb processes use it; does nothing when it is not running."""
+    from pipelines.storage.database import ServerInUse, stop_embedded
+
+    try:
+        click.echo(stop_embedded(load_settings().home, force))
+    except ServerInUse as in_use:
+        raise UserError(str(in_use)) from None
+
+
 @main.command()
 @click.argument("answer", type=click.File("r"))
 @click.option("--group", "groups", multiple=True, help="Read as a caller in this group (repeatable).")

@@ -97,7 +97,7 @@ def test_openapi_documents_the_endpoint(client):
     assert {"q", "k", "source_id", "mode", "debug"} <= params
 
 
-def test_empty_knowledge_base_is_a_409(settings):
+def test_empty_knowledge_base_is_a_409(settings, conn):  # conn: installed, as any kb command would (serving never does)
     with TestClient(create_app(settings)) as empty:
         response = empty.get("/v1/knowledge/search", params={"q": "anything"})
     assert response.status_code == 409 and "kb ingest" in response.json()["detail"]
@@ -266,14 +266,28 @@ def test_a_malformed_authorization_header_is_a_401(client):
         assert response.headers["WWW-Authenticate"] == "Bearer"
 
 
-def test_an_empty_or_conflicting_key_header_is_a_401(client, conn):
+def test_an_empty_key_header_or_more_than_one_credential_is_a_401(client, conn):
+    """Issue 27 (6): a request carries one credential. Two X-API-Key headers, two Authorization headers (Bearer
+    then Basic), or an Authorization with an X-API-Key, even holding the same key, is a 401 with one line: the
+    first one no longer wins, so a proxy's header cannot be shadowed by (or shadow) the caller's."""
     from pipelines.serving.access import create_key
 
     _, token = create_key(conn, "reader", [], "tests")
-    for headers in ({"X-API-Key": ""}, {"X-API-Key": token, "Authorization": "Bearer kb_other_key"}):
-        assert client.get("/v1/knowledge/search", params={"q": "leave"}, headers=headers).status_code == 401
-    both = {"X-API-Key": token, "Authorization": f"Bearer {token}"}
-    assert client.get("/v1/knowledge/search", params={"q": "leave"}, headers=both).status_code == 200
+    assert client.get("/v1/knowledge/search", params={"q": "leave"}, headers={"X-API-Key": ""}).status_code == 401
+    for headers in ([("X-API-Key", token), ("Authorization", "Bearer kb_other_key")],
+                    [("X-API-Key", token), ("Authorization", f"Bearer {token}")],
+                    [("X-API-Key", token), ("X-API-Key", "kb_other_key")],
+                    [("X-API-Key", token), ("X-API-Key", token)],
+                    [("x-api-key", token), ("X-Api-Key", "")],
+                    [("Authorization", f"Bearer {token}"), ("Authorization", "Basic dXNlcjpwYXNzd29yZA==")],
+                    [("Authorization", f"Bearer {token}"), ("authorization", f"Bearer {token}")]):
+        response = client.get("/v1/knowledge/search", params={"q": "leave"}, headers=headers)
+        assert response.status_code == 401, (headers, response.text)
+        detail = response.json()["detail"]
+        assert "one credential" in detail and "\n" not in detail and token not in detail, detail
+        assert response.headers["WWW-Authenticate"] == "Bearer"
+    for one in ({"X-API-Key": token}, {"Authorization": f"Bearer {token}"}):
+        assert client.get("/v1/knowledge/search", params={"q": "leave"}, headers=one).status_code == 200
 
 
 def test_health_fails_when_the_serving_model_cannot_serve(settings, client, conn):
