@@ -1,7 +1,8 @@
 """Extraction: walk each source, record every document's identity, size, mtime and content hash.
 
 A file whose size and mtime match the stored row is not read again (the cheap stat check); any other file
-is hashed. JSONL records are small and already structured, so extraction also stores their elements.
+is hashed. JSONL records are small and already structured, so extraction also stores their elements: those of new
+or changed records, and of every record whose elements another PARSER_VERSION made (pipelines/ingest/parse.py).
 
 Nothing stored is lost to a bad day. Every problem with one file or record is a failure of that document
 alone, recorded under its identity and cleared once it is fixed; a document that fails keeps its last good
@@ -30,6 +31,7 @@ from pipelines.ingest.elements import Element, ParsedDocument, without_nul, writ
 from pipelines.ingest.failures import Failure, record_failure
 from pipelines.ingest.formats import UnsupportedFormat, format_of, supported
 from pipelines.ingest.hashing import hash_stream, hash_text
+from pipelines.ingest.parse import PARSER_VERSION
 from pipelines.ingest.report import NO_PROGRESS, Progress, StageReport
 from pipelines.settings import Limits
 from pipelines.sources.declarations import Source, load_sources
@@ -318,17 +320,20 @@ def _known_documents(conn: psycopg.Connection, source_id: str) -> Known:
 
 
 MERGE_DOCUMENTS = """
-WITH merged AS (
-    INSERT INTO documents AS d (source_id, locator, doc_format, size_bytes, mtime, content_hash, title)
-    SELECT %(source_id)s, s.locator, s.doc_format, s.size_bytes, s.mtime, s.content_hash, s.title FROM kb_found s
-    ON CONFLICT (source_id, locator) DO UPDATE
-        SET doc_format = excluded.doc_format, size_bytes = excluded.size_bytes, mtime = excluded.mtime,
-            content_hash = excluded.content_hash, deleted_at = NULL
-        WHERE (d.doc_format, d.size_bytes, d.mtime, d.content_hash, d.deleted_at)
-              IS DISTINCT FROM (excluded.doc_format, excluded.size_bytes, excluded.mtime, excluded.content_hash, NULL)
-    RETURNING d.document_id, d.locator
-)
-SELECT document_id, locator FROM merged
+INSERT INTO documents AS d (source_id, locator, doc_format, size_bytes, mtime, content_hash, title)
+SELECT %(source_id)s, s.locator, s.doc_format, s.size_bytes, s.mtime, s.content_hash, s.title FROM kb_found s
+ON CONFLICT (source_id, locator) DO UPDATE
+    SET doc_format = excluded.doc_format, size_bytes = excluded.size_bytes, mtime = excluded.mtime,
+        content_hash = excluded.content_hash, deleted_at = NULL
+    WHERE (d.doc_format, d.size_bytes, d.mtime, d.content_hash, d.deleted_at)
+          IS DISTINCT FROM (excluded.doc_format, excluded.size_bytes, excluded.mtime, excluded.content_hash, NULL)
+"""
+
+# Records whose elements are not of their content, or not of this parser version (as parse.PENDING for files).
+STALE_RECORDS = """
+SELECT document_id, locator FROM documents
+WHERE source_id = %(source_id)s AND locator = ANY(%(locators)s)
+  AND (parsed_hash IS DISTINCT FROM content_hash OR parser_version IS DISTINCT FROM %(parser)s)
 """
 
 FOUND_COLUMNS = ("locator", "doc_format", "size_bytes", "mtime", "content_hash", "title")
@@ -339,11 +344,13 @@ def _merge(conn: psycopg.Connection, source_id: str, changed: list[Found]) -> No
     bulk.stage_rows(conn, "kb_found", FOUND_SHAPE, FOUND_COLUMNS, (
         (f.locator, f.doc_format, f.size, f.mtime, f.content_hash, (f.record or {}).get("title") or None)
         for f in changed))
-    rows = conn.execute(MERGE_DOCUMENTS, {"source_id": source_id}).fetchall()
-    by_locator = {f.locator: f for f in changed}
-    records = [(doc_id, by_locator[locator]) for doc_id, locator in rows if by_locator[locator].record is not None]
-    if records:
-        write_elements(conn, [(doc_id, f.content_hash, record_elements(f.record)) for doc_id, f in records])
+    conn.execute(MERGE_DOCUMENTS, {"source_id": source_id})
+    by_locator = {f.locator: f for f in changed if f.record is not None}
+    if by_locator:
+        stale = conn.execute(STALE_RECORDS, {"source_id": source_id, "locators": list(by_locator),
+                                             "parser": PARSER_VERSION}).fetchall()
+        write_elements(conn, [(doc_id, by_locator[locator].content_hash, record_elements(by_locator[locator].record))
+                              for doc_id, locator in stale], PARSER_VERSION)
 
 
 def _write_batch(conn: psycopg.Connection, crawl: Crawl, batch: list[Found], known: Known) -> None:
