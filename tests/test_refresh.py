@@ -202,6 +202,23 @@ def test_a_new_parser_version_re_parses_unchanged_documents_and_publishes_only_w
     assert embedded == [] and rows() == before
 
 
+def test_documents_stored_before_the_parser_version_are_parsed_once_and_not_republished(conn, embedder, samples_copy):
+    """sql/016 leaves the documents of an existing knowledge base without a version (unknown): the next refresh parses
+    them once; the same elements come out, so nothing is re-chunked or published, and the refresh after parses none."""
+    from pipelines.ingest.parse import PARSER_VERSION
+
+    run(conn, embedder, samples_copy)
+    conn.execute("UPDATE documents SET parser_version = NULL")
+    versions = latest_versions(conn)
+    add_source(conn, declare("samples", samples_copy), "tests")
+    summary = ingest(conn, embedder, load_settings(), ["samples"])
+    assert summary.stage("parse").counts["parsed"] == summary.stage("parse").counts["same_elements"] == 9
+    assert summary.stage("parse").counts["elements"] == summary.stage("chunk").counts["documents"] == 0
+    assert latest_versions(conn) == versions
+    assert {r[0] for r in conn.execute("SELECT DISTINCT parser_version FROM documents")} == {PARSER_VERSION}
+    assert ingest(conn, embedder, load_settings(), ["samples"]).stage("parse").counts["parsed"] == 0
+
+
 def test_a_re_parse_that_fails_keeps_the_last_good_version(conn, embedder, samples_copy, monkeypatch):
     """A document the new parser cannot read keeps its elements, chunks and history, and stays marked as parsed by
     the older parser; the rest of the refresh goes on."""

@@ -62,7 +62,8 @@ class Written(NamedTuple):
     same: int  # documents parsed again whose elements came out the same: only their parser version was written
 
 
-def write_elements(conn: psycopg.Connection, parsed: list[tuple[int, str, ParsedDocument]], parser_version: str) -> Written:
+def write_elements(conn: psycopg.Connection, parsed: list[tuple[int, str, ParsedDocument]],
+                   parser_version: str) -> Written:
     """Store each (document_id, content_hash, parsed) as made by `parser_version` and mark the document parsed.
 
     The same bytes parsed again by another parser version (an upgrade re-parses every document) usually give the

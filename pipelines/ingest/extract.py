@@ -345,17 +345,17 @@ def _merge(conn: psycopg.Connection, source_id: str, changed: list[Found]) -> No
         (f.locator, f.doc_format, f.size, f.mtime, f.content_hash, (f.record or {}).get("title") or None)
         for f in changed))
     conn.execute(MERGE_DOCUMENTS, {"source_id": source_id})
-    by_locator = {f.locator: f for f in changed if f.record is not None}
-    if by_locator:
-        stale = conn.execute(STALE_RECORDS, {"source_id": source_id, "locators": list(by_locator),
-                                             "parser": PARSER_VERSION}).fetchall()
-        write_elements(conn, [(doc_id, by_locator[locator].content_hash, record_elements(by_locator[locator].record))
+    records = {f.locator: f for f in changed if f.record is not None}
+    stale = conn.execute(STALE_RECORDS, {"source_id": source_id, "locators": list(records),
+                                         "parser": PARSER_VERSION}).fetchall() if records else []
+    if stale:
+        write_elements(conn, [(doc_id, records[locator].content_hash, record_elements(records[locator].record))
                               for doc_id, locator in stale], PARSER_VERSION)
 
 
 def _write_batch(conn: psycopg.Connection, crawl: Crawl, batch: list[Found], known: Known) -> None:
-    """Upsert a batch of found documents (and the elements of changed records). A document the database refuses
-    fails alone: the batch is retried one document at a time."""
+    """Upsert a batch of found documents (and the elements of new, changed or stale records). A document the
+    database refuses fails alone: the batch is retried one document at a time."""
     changed = [f for f in batch if not f.failed and f.content_hash is not None]
     try:
         with conn.transaction():

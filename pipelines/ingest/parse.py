@@ -22,9 +22,8 @@ a document whose new elements equal the stored ones only has its version updated
 
 from __future__ import annotations
 
-import importlib
+import importlib.metadata
 import io
-from importlib import metadata
 import os
 import re
 import zipfile
@@ -54,7 +53,7 @@ STAGE = "parse"
 PARSE_RECIPE = "parse-1"
 # What made a document's elements: the recipe and the installed unstructured, read from its metadata without
 # importing it. Stored with the elements; the parsed_elements asset's code version (pipelines/ingest/flow.py).
-PARSER_VERSION = f"{PARSE_RECIPE}+unstructured-{metadata.version('unstructured')}"
+PARSER_VERSION = f"{PARSE_RECIPE}+unstructured-{importlib.metadata.version('unstructured')}"
 # Page furniture and empty shells carry no retrievable text.
 SKIPPED_CATEGORIES = {"PageBreak", "Image", "Header", "Footer", "PageNumber", "Formula"}
 ZIP_FORMATS = {"docx", "pptx", "xlsx"}  # Office Open XML: a zip archive a small file can expand from
@@ -252,16 +251,16 @@ def parse_pending(conn: psycopg.Connection, source_ids: list[str] | None = None,
                   progress: Progress = NO_PROGRESS, workers: Workers | int = 1, limits: Limits = Limits(),
                   retry_failed: bool = False) -> StageReport:
     """Parse every document whose bytes changed since they were last parsed, or whose elements another parser
-    version made (PARSER_VERSION), by `workers` (local processes, or a
-    dask cluster's workers), stored a batch per transaction as they finish while the workers go on; the report's
-    notes count the documents each worker parsed.
+    version made (PARSER_VERSION), by `workers` (local processes, or a dask cluster's workers), stored a batch per
+    transaction as they finish while the workers go on; the report's notes count the documents each worker parsed.
     A document whose same bytes failed before is reported again from its record and not parsed (a zip bomb or a
     parser-hanging file costs nothing on later runs), unless `retry_failed`."""
     report = StageReport(STAGE, ("parsed", "same_elements", "elements", "failed_before"))
     workers = workers if isinstance(workers, Workers) else Workers(workers)
     pending = []
+    params = {"ids": source_ids, "host": host(), "parser": PARSER_VERSION}
     for (doc_id, locator, doc_format, content_hash, location, source_id, allow, declared_in, known_root,
-         reason, failed_at) in conn.execute(PENDING, {"ids": source_ids, "host": host(), "parser": PARSER_VERSION}).fetchall():
+         reason, failed_at) in conn.execute(PENDING, params).fetchall():
         if reason is not None and not retry_failed:
             report.counts["failed_before"] += 1
             report.fail(Failure(source_id, locator, STAGE, f"{reason} (unchanged since it failed on"
