@@ -1,7 +1,8 @@
 """Extraction: walk each source, record every document's identity, size, mtime and content hash.
 
 A file whose size and mtime match the stored row is not read again (the cheap stat check); any other file
-is hashed. JSONL records are small and already structured, so extraction also stores their elements.
+is hashed. JSONL records are small and already structured, so extraction also stores their elements: those of new
+or changed records, and of every record whose elements another PARSER_VERSION made (pipelines/ingest/parse.py).
 
 Nothing stored is lost to a bad day. Every problem with one file or record is a failure of that document
 alone, recorded under its identity and cleared once it is fixed; a document that fails keeps its last good
@@ -31,6 +32,7 @@ from pipelines.ingest.elements import Element, ParsedDocument, without_nul, writ
 from pipelines.ingest.failures import Failure, record_failure
 from pipelines.ingest.formats import UnsupportedFormat, format_of, supported
 from pipelines.ingest.hashing import hash_stream, hash_text
+from pipelines.ingest.parse import PARSER_VERSION
 from pipelines.ingest.report import NO_PROGRESS, Progress, StageReport
 from pipelines.settings import Limits
 from pipelines.sources.declarations import Source, add_coverage, load_sources, narrower
@@ -337,17 +339,20 @@ def _known_documents(conn: psycopg.Connection, source_id: str) -> Known:
 
 
 MERGE_DOCUMENTS = """
-WITH merged AS (
-    INSERT INTO documents AS d (source_id, locator, doc_format, size_bytes, mtime, content_hash, title)
-    SELECT %(source_id)s, s.locator, s.doc_format, s.size_bytes, s.mtime, s.content_hash, s.title FROM kb_found s
-    ON CONFLICT (source_id, locator) DO UPDATE
-        SET doc_format = excluded.doc_format, size_bytes = excluded.size_bytes, mtime = excluded.mtime,
-            content_hash = excluded.content_hash, deleted_at = NULL
-        WHERE (d.doc_format, d.size_bytes, d.mtime, d.content_hash, d.deleted_at)
-              IS DISTINCT FROM (excluded.doc_format, excluded.size_bytes, excluded.mtime, excluded.content_hash, NULL)
-    RETURNING d.document_id, d.locator
-)
-SELECT document_id, locator FROM merged
+INSERT INTO documents AS d (source_id, locator, doc_format, size_bytes, mtime, content_hash, title)
+SELECT %(source_id)s, s.locator, s.doc_format, s.size_bytes, s.mtime, s.content_hash, s.title FROM kb_found s
+ON CONFLICT (source_id, locator) DO UPDATE
+    SET doc_format = excluded.doc_format, size_bytes = excluded.size_bytes, mtime = excluded.mtime,
+        content_hash = excluded.content_hash, deleted_at = NULL
+    WHERE (d.doc_format, d.size_bytes, d.mtime, d.content_hash, d.deleted_at)
+          IS DISTINCT FROM (excluded.doc_format, excluded.size_bytes, excluded.mtime, excluded.content_hash, NULL)
+"""
+
+# Records whose elements are not of their content, or not of this parser version (as parse.PENDING for files).
+STALE_RECORDS = """
+SELECT document_id, locator FROM documents
+WHERE source_id = %(source_id)s AND locator = ANY(%(locators)s)
+  AND (parsed_hash IS DISTINCT FROM content_hash OR parser_version IS DISTINCT FROM %(parser)s)
 """
 
 FOUND_COLUMNS = ("locator", "doc_format", "size_bytes", "mtime", "content_hash", "title")
@@ -358,16 +363,18 @@ def _merge(conn: psycopg.Connection, source_id: str, changed: list[Found]) -> No
     bulk.stage_rows(conn, "kb_found", FOUND_SHAPE, FOUND_COLUMNS, (
         (f.locator, f.doc_format, f.size, f.mtime, f.content_hash, (f.record or {}).get("title") or None)
         for f in changed))
-    rows = conn.execute(MERGE_DOCUMENTS, {"source_id": source_id}).fetchall()
-    by_locator = {f.locator: f for f in changed}
-    records = [(doc_id, by_locator[locator]) for doc_id, locator in rows if by_locator[locator].record is not None]
-    if records:
-        write_elements(conn, [(doc_id, f.content_hash, record_elements(f.record)) for doc_id, f in records])
+    conn.execute(MERGE_DOCUMENTS, {"source_id": source_id})
+    records = {f.locator: f for f in changed if f.record is not None}
+    stale = conn.execute(STALE_RECORDS, {"source_id": source_id, "locators": list(records),
+                                         "parser": PARSER_VERSION}).fetchall() if records else []
+    if stale:
+        write_elements(conn, [(doc_id, records[locator].content_hash, record_elements(records[locator].record))
+                              for doc_id, locator in stale], PARSER_VERSION)
 
 
 def _write_batch(conn: psycopg.Connection, crawl: Crawl, batch: list[Found], known: Known) -> None:
-    """Upsert a batch of found documents (and the elements of changed records). A document the database refuses
-    fails alone: the batch is retried one document at a time."""
+    """Upsert a batch of found documents (and the elements of new, changed or stale records). A document the
+    database refuses fails alone: the batch is retried one document at a time."""
     changed = [f for f in batch if not f.failed and f.content_hash is not None]
     try:
         with conn.transaction():
@@ -485,8 +492,9 @@ def crawl_source(conn: psycopg.Connection, source: Source, report: StageReport, 
         gone = _deletions(crawl, known, allow_deletions)
         # What served is marked, not deleted: the run's gated publish deletes it in the transaction that publishes
         # the rest. What never served (a file that failed) changes nothing that serves, and is forgotten now.
-        conn.execute("SELECT kb_soft_delete_documents(%s, ARRAY(SELECT locator FROM documents WHERE source_id = %s"
-                     " AND locator = ANY(%s) AND deleted_at IS NULL AND published_key IS NULL))",
+        conn.execute("SELECT kb_soft_delete_documents(%s, ARRAY(SELECT d.locator FROM documents d"
+                     " WHERE d.source_id = %s AND d.locator = ANY(%s) AND d.deleted_at IS NULL AND NOT EXISTS"
+                     " (SELECT 1 FROM chunks c WHERE c.document_id = d.document_id AND c.valid_to IS NULL)))",
                      (source.source_id, source.source_id, gone))
         conn.execute("UPDATE documents SET vanished_at = CASE WHEN locator = ANY(%(gone)s) THEN now() END"
                      " WHERE source_id = %(id)s AND deleted_at IS NULL"

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Callable
 
 from pipelines.ingest.chunker import CHUNKER_VERSION
 from pipelines.ingest.enrich import ENRICH_VERSION
+from pipelines.ingest.parse import PARSER_VERSION
 from pipelines.ingest.report import Progress, StageReport
 
 if TYPE_CHECKING:
@@ -100,9 +101,10 @@ FLOW: tuple[Stage, ...] = (
           "file", ("python", "postgres"), "ingestion",
           "SELECT count(*) FROM documents d WHERE d.source_id = %(id)s AND d.deleted_at IS NULL"),
     Stage("parse", "parsed_elements", "elements", _parse,
-          "Elements (category, page, section path) of every document whose bytes changed, parsed by unstructured.",
+          "Elements (category, page, section path) of every document whose bytes or parser version changed, parsed by"
+          " unstructured.",
           "doc", ("unstructured", "postgres"), "ingestion",
-          f"SELECT count(*) FROM elements e {_OF_SOURCE} AND d.deleted_at IS NULL"),
+          f"SELECT count(*) FROM elements e {_OF_SOURCE} AND d.deleted_at IS NULL", version=PARSER_VERSION),
     Stage("chunk", "chunk_drafts", "chunk_drafts", _chunk,
           "Heading-, sentence- and table-aware chunks of changed documents, sized to the embedding model's limit.",
           "doc", ("python", "postgres"), "ingestion",

@@ -125,13 +125,14 @@ def publish_batch(conn: psycopg.Connection, batch: list[tuple[int, str]], report
 
 # Documents the last crawl found gone (extract marks them, sql/015): deleted here, in the gated transaction that
 # publishes the rest of the refresh, so that a renamed file is never missing from search in between and a refresh
-# that only deletes passes the golden-set gate like any other. Only documents that were served count as deleted: a
-# file that never published (it failed) and is now gone is forgotten.
+# that only deletes passes the golden-set gate like any other. Only documents that served (live chunks) count as
+# deleted (extract already forgot those that never did).
 VANISHED = """
-SELECT source_id, array_agg(locator ORDER BY locator), count(*) FILTER (WHERE published_key IS NOT NULL)
-FROM documents
-WHERE vanished_at IS NOT NULL AND deleted_at IS NULL AND (%(ids)s::text[] IS NULL OR source_id = ANY(%(ids)s))
-GROUP BY source_id ORDER BY source_id
+SELECT d.source_id, array_agg(d.locator ORDER BY d.locator),
+       count(*) FILTER (WHERE EXISTS (SELECT 1 FROM chunks c WHERE c.document_id = d.document_id AND c.valid_to IS NULL))
+FROM documents d
+WHERE d.vanished_at IS NOT NULL AND d.deleted_at IS NULL AND (%(ids)s::text[] IS NULL OR d.source_id = ANY(%(ids)s))
+GROUP BY d.source_id ORDER BY d.source_id
 """
 
 
