@@ -263,3 +263,7 @@ def test_markup_nested_past_the_parsers_depth_fails_instead_of_losing_text():
         with pytest.raises(ParseError, match="stopped before the end of the file .*Excessive depth") as refused:
             parse_bytes(data, name, name.rsplit(".", 1)[1])
         assert "\n" not in str(refused.value)
+    # The parser's other limit: a paragraph over 10 MB was cut, and only "Intro about okapis." was indexed.
+    long_paragraph = b"<p>Intro about okapis.</p><p>" + b"word " * 2_500_000 + f"</p><p>{closing}</p>".encode()
+    with pytest.raises(ParseError, match="stopped before the end of the file .*Buffer size limit"):
+        parse_bytes(long_paragraph, "log.html", "html")
