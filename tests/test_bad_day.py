@@ -449,7 +449,8 @@ def test_binary_garbage_with_a_text_name_fails_alone_and_keeps_the_last_version(
     (docs / "notes.txt").write_bytes(rng.bytes(200_000))
     (docs / "archive.md").write_bytes(gzip.compress(b"# Archive\n\nOld pages.\n" * 500))
     (docs / "page.html").write_bytes(b"\x89PNG\r\n\x1a\n" + rng.bytes(5_000))
-    (docs / "letter.txt").write_bytes("Die Lieferung der Okapi-Futterrüben verzögert sich um zwei Wochen.\n".encode("utf-16"))
+    letter = "Die Lieferung der Okapi-Futterrüben verzögert sich um zwei Wochen."
+    (docs / "letter.txt").write_bytes(f"{letter}\n".encode("utf-16"))
     (docs / "menu.md").write_bytes("# Menu\n\nCrème brûlée and café au lait for the zebra keepers.\n".encode("latin-1"))
     data = kb_json("ingest", "--source", "docs", expect=3)
     reasons = errors(data)
@@ -458,7 +459,7 @@ def test_binary_garbage_with_a_text_name_fails_alone_and_keeps_the_last_version(
         assert reason.startswith(f"{docs / locator}: not a text file: ") and "\n" not in reason, reason
     assert set(failing()) == set(reasons)
     assert live_texts(settings, "notes.txt") == before
-    assert live_texts(settings, "letter.txt") == ["Die Lieferung der Okapi-Futterrüben verzögert sich um zwei Wochen."]
+    assert live_texts(settings, "letter.txt") == [letter]
     assert "Crème brûlée and café au lait for the zebra keepers." in live_texts(settings, "menu.md")
     hits = kb_json("search", "zebra signing keys", "--k", "3")["chunks"]
     assert hits[0]["document"] == "notes.txt" and "rotate monthly" in hits[0]["content"]

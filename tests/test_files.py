@@ -271,13 +271,16 @@ def test_the_walk_keeps_few_descriptors_open_however_deep_the_tree(deep_docs):
 
 
 def test_documents_below_a_folder_past_the_depth_limit_are_kept(conn, embedder, settings, tmp_path, monkeypatch):
-    """A folder the walk does not enter is like an unreadable one: what was stored under it stays live."""
+    """A folder the walk does not enter is like an unreadable one: what was stored under it stays live. Hidden
+    folders are skipped before their depth counts."""
     from pipelines.ingest.run import ingest
     from pipelines.sources import files
     from pipelines.sources.declarations import add_source, declare
 
     docs = tmp_path / "docs"
     (docs / "a" / "b" / "c" / "d").mkdir(parents=True)
+    (docs / ".git" / "a" / "b" / "c" / "d").mkdir(parents=True)
+    (docs / ".git" / "a" / "b" / "c" / "d" / "HEAD.md").write_text("# Not a document\n")
     for relpath in ("top.md", "a/side.md", "a/b/c/d/deep.md"):
         (docs / relpath).write_text(f"# {relpath}\n\nAn okapi note in {relpath}.\n")
     add_source(conn, declare("docs", docs), "tests")

@@ -251,7 +251,8 @@ def test_markup_nested_past_the_parsers_depth_fails_instead_of_losing_text():
     file was dropped without a word (a Markdown file of nested quotes goes through the same parser). Nesting that
     deep fails the file; 100,000 levels of <div> and 50,000 of `>` cost that file, not the worker or the run."""
     closing = "Closing words about zebras."
-    fine = b"<p>Intro about okapis.</p>" + b"<div>" * 200 + b"deep text" + b"</div>" * 200 + f"<p>{closing}</p>".encode()
+    fine = (b"<p>Intro about okapis.</p>" + b"<div>" * 200 + b"deep text" + b"</div>" * 200
+            + f"<p>{closing}</p>".encode())
     assert [e.text for e in parse_bytes(fine, "deep.html", "html").elements][-1] == closing
     cases = {
         "deep.html": b"<p>Intro about okapis.</p>" + b"<div>" * 300 + b"deep text" + b"</div>" * 300
