@@ -21,6 +21,7 @@ $(VENV)/.installed: requirements/lock.txt pyproject.toml
 	touch $@
 
 demo: install
+	$(BIN)/kb migrate
 	$(BIN)/kb source apply samples/kb.toml
 	$(BIN)/kb dagster ingest
 	$(BIN)/kb status

@@ -9,6 +9,7 @@ The per-source pieces are sensors rather than schedules because sources are decl
 
 import json
 import os
+from collections.abc import Callable, Iterable
 from datetime import datetime, timezone
 
 import dagster as dg
@@ -55,22 +56,47 @@ def _refresh(source_id: str, run_key: str, reason: str) -> dg.RunRequest:
     return dg.RunRequest(partition_key=source_id, run_key=run_key, tags={"kb/source": source_id, "kb/reason": reason})
 
 
-@dg.sensor(job=ingest_job, minimum_interval_seconds=60, default_status=dg.DefaultSensorStatus.RUNNING)
-def scheduled_refresh(context: dg.SensorEvaluationContext, kb: KnowledgeBase):
-    """Requests a refresh of each source whose cron (its declared refresh_cron, else KB_REFRESH_CRON) fired since
-    the last tick. The first tick only notes the time, so turning the sensor on does not refresh everything."""
+def due_refreshes(sources: Iterable, default_cron: str, last: datetime,
+                  now: datetime) -> list[tuple[str, str, datetime]]:
+    """(source_id, cron, fired) for each source whose cron (its refresh_cron, else `default_cron`) fired after `last`
+    and at or before `now`, with the first time it fired (a tick that is retried asks for the same run). A plain
+    function of the two times it is given, so what is due is decided the same way whenever it runs."""
     from croniter import croniter
 
-    now = datetime.now(timezone.utc)
-    last = datetime.fromisoformat(context.cursor) if context.cursor else now
-    requests = []
-    for source in _partitioned(context, kb):
-        cron = source.refresh_cron or kb.settings.refresh_cron
-        due = croniter(cron, last).get_next(datetime)
-        if due <= now:
-            requests.append(_refresh(source.source_id, f"{source.source_id}:cron:{due.isoformat()}", f"cron {cron}"))
-    context.update_cursor(now.isoformat())
-    return requests
+    due = []
+    for source in sources:
+        cron = source.refresh_cron or default_cron
+        fired = croniter(cron, last).get_next(datetime)
+        if fired <= now:
+            due.append((source.source_id, cron, fired))
+    return due
+
+
+def _utc_now() -> datetime:
+    return datetime.now(timezone.utc)
+
+
+def scheduled_refresh_sensor(clock: Callable[[], datetime] = _utc_now) -> dg.SensorDefinition:
+    """The `scheduled_refresh` sensor, reading the time from `clock` (timezone-aware): the one Dagster loads reads
+    the wall clock; tests build one on a clock they set, so no outcome depends on when the suite runs."""
+
+    @dg.sensor(name="scheduled_refresh", job=ingest_job, minimum_interval_seconds=60,
+               default_status=dg.DefaultSensorStatus.RUNNING)
+    def scheduled_refresh(context: dg.SensorEvaluationContext, kb: KnowledgeBase):
+        """Requests a refresh of each source whose cron (its declared refresh_cron, else KB_REFRESH_CRON) fired
+        since the last tick. The first tick only notes the time, so turning the sensor on does not refresh
+        everything."""
+        now = clock()
+        last = datetime.fromisoformat(context.cursor) if context.cursor else now
+        due = due_refreshes(_partitioned(context, kb), kb.settings.refresh_cron, last, now)
+        context.update_cursor(now.isoformat())
+        return [_refresh(source_id, f"{source_id}:cron:{fired.isoformat()}", f"cron {cron}")
+                for source_id, cron, fired in due]
+
+    return scheduled_refresh
+
+
+scheduled_refresh = scheduled_refresh_sensor()
 
 
 def source_fingerprint(path: str, max_entries: int = 200_000) -> str:

@@ -1,22 +1,21 @@
 """The single place that builds kb's Dagster Definitions (code location `kb` in workspace.yaml)."""
 
-import os
-
 import dagster as dg
 
 from assets.automation import SENSORS, ingest_job, reembed_job
 from assets.executors import kb_executor
 from assets.ingestion import ingest_flow
 from assets.maintenance import MAINTENANCE_ASSETS
-from assets.resources import SECRETS, SETTINGS, KnowledgeBase
+from assets.resources import KnowledgeBase
+from assets.schema import migrate_job
 
-# Secrets reach the resource as environment variables Dagster resolves at run time, never as values in the
-# definitions or the launchpad; one that is not set is left to kb's own default.
-kb = KnowledgeBase(**{name: dg.EnvVar(SETTINGS[name]) for name in SECRETS if os.environ.get(SETTINGS[name])})
+# Settings and secrets come from the code location's environment when a step runs (assets/resources.py): nothing of
+# them is in the definitions or the launchpad, and no run config can change them.
+kb = KnowledgeBase()
 
 defs = dg.Definitions(
     assets=[ingest_flow, *MAINTENANCE_ASSETS],
-    jobs=[ingest_job, reembed_job],
+    jobs=[ingest_job, reembed_job, migrate_job],
     sensors=SENSORS,
     resources={"kb": kb},
     executor=kb_executor,

@@ -45,10 +45,27 @@ def kb_executor(init_context: dg.InitExecutorContext) -> dg.Executor:
     """In process by default; multiprocess or dask when the run config asks for them."""
     (kind, config), = init_context.executor_config.items()
     if kind == "dask":
-        return _dask_executor(config["address"])
+        return _dask_executor(deployment_scheduler(config["address"]))
     if kind == "multiprocess":
         return _core_multiprocess_executor_creation({"retries": {"enabled": {}}, **config})
     return _core_in_process_executor_creation({"retries": {"enabled": {}}, "step_dependency_config": None})
+
+
+class UndeclaredCluster(dg.Failure):
+    """A run config naming a dask scheduler the deployment did not declare."""
+
+
+def deployment_scheduler(address: str) -> str:
+    """The dask scheduler a run asks for, if it is the deployment's own (KB_DASK_SCHEDULER in the code location's
+    environment). A run chooses whether its steps run on the cluster, never which cluster: steps there read every
+    document of a restricted source, so an address typed into one run's config could send them anywhere."""
+    declared = os.environ.get("KB_DASK_SCHEDULER")
+    if address != declared:
+        raise UndeclaredCluster(
+            f"refused: this run's config names the dask scheduler {address!r}, but the deployment declares "
+            + (f"{declared!r}" if declared else "none") + " (KB_DASK_SCHEDULER in the code location's environment);"
+            " a run may choose to run on the deployment's cluster, not name another one. Nothing was run")
+    return address
 
 
 def _dask_executor(address: str) -> dg.Executor:
@@ -81,5 +98,6 @@ def run_workers(run_config: dict, settings: Settings) -> Workers:
     (kind, config), = (run_config.get("execution", {}).get("config") or {"in_process": {}}).items()
     if kind == "dask":
         address = config["address"]  # a StringSource: the address, or {"env": VARIABLE}
-        return Workers(dask=os.environ[address["env"]] if isinstance(address, dict) else address)
+        return Workers(dask=deployment_scheduler(os.environ.get(address["env"]) if isinstance(address, dict)
+                                                 else address))
     return Workers((config or {}).get("max_concurrent") or settings.parse_workers)

@@ -73,6 +73,8 @@ def ingest_flow(context: dg.AssetExecutionContext, kb: KnowledgeBase, config: Cr
                                 external_run_id=context.run_id, confirmed=Confirmations(
                                     config.allow_deletions, config.accept_new_root, config.retry_failed),
                                 workers=run_workers(context.run.run_config, kb.settings)) as run:
+                for warning in run.warnings:
+                    context.log.warning(warning)
                 for stage in selected:
                     report = run.run_stage(stage)
                     for failure in report.failures:

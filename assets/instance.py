@@ -21,6 +21,7 @@ from dagster._core.instance.ref import InstanceRef
 from dagster_postgres import DagsterPostgresStorage
 
 from pipelines.settings import REPO_ROOT, Settings, load_settings
+from pipelines.storage.state import write_atomic
 
 
 def storage_url(settings: Settings) -> str:
@@ -60,9 +61,9 @@ def dagster_home(settings: Settings) -> Path:
     kept current in KB_HOME/dagster, copied into a DAGSTER_HOME that has none, never over an operator's own."""
     home = Path(os.environ.get("DAGSTER_HOME") or settings.home / "dagster").resolve()
     home.mkdir(parents=True, exist_ok=True)
-    config, ours = home / "dagster.yaml", (REPO_ROOT / "dagster.yaml").read_text()
-    if not config.exists() or (not os.environ.get("DAGSTER_HOME") and config.read_text() != ours):
-        config.write_text(ours)
+    config, ours = home / "dagster.yaml", (REPO_ROOT / "dagster.yaml").read_bytes()
+    if not config.exists() or (not os.environ.get("DAGSTER_HOME") and config.read_bytes() != ours):
+        write_atomic(config, ours)  # a copy cut short or damaged is simply replaced
     return home
 
 

@@ -23,12 +23,16 @@ def _shard_op(shard: str) -> dg.OpDefinition:
            retry_policy=dg.RetryPolicy(max_retries=2, delay=10), tags={"kb/shard": shard})
     def embed_shard(context: dg.OpExecutionContext, kb: KnowledgeBase) -> None:
         """The missing vectors of texts whose hash starts with this hex digit (resumable: a re-run embeds only what
-        is still missing)."""
-        from pipelines.ingest.embed import embed_pending
+        is still missing): the embed stage of a run over every source, narrowed to this shard, so that it holds the
+        sources' locks (shared with the other shards, never with a refresh) and is recorded, with its failures, on
+        the backfill's row in ingest_runs like any run."""
+        from pipelines.ingest.flow import stage
+        from pipelines.ingest.run import IngestRun
         from pipelines.ingest.workers import where
 
-        with kb.connect() as conn:
-            report = embed_pending(conn, kb.embedder, shards=[shard])
+        with kb.connect() as conn, IngestRun.open(conn, kb.settings, kb.embedder, started_by="dagster",
+                                                  external_run_id=context.run_id, shard=shard) as run:
+            report = run.run_stage(stage("embed"))
         context.add_output_metadata({"shard": shard, "computed": report.counts["computed"],
                                      "elapsed_s": report.elapsed_s, "worker": where()})
     return embed_shard

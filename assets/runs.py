@@ -57,7 +57,11 @@ def execute(job_name: str, instance: dg.DagsterInstance, partition: str | None =
     run = instance.create_run_for_job(job.get_definition(), run_config={**QUIET, **(run_config or {})},
                                       tags={**tags, "kb/started_by": "kb-dagster"}, remote_job_origin=_origin(job_name),
                                       job_code_origin=job.get_python_origin())
-    execute_run(job, run, instance)
+    try:
+        execute_run(job, run, instance)
+    except dg.Failure as refused:  # the run could not start (an executor refused its config): it failed, say why
+        instance.report_run_failed(run)
+        return Outcome(run.run_id, False, refused.description)
     events = [record.dagster_event for record in instance.all_logs(run.run_id) if record.dagster_event]
     failure = next((_why(e.event_specific_data) for e in events if e.is_step_failure), None) or next(
         (_run_failure(e.event_specific_data) for e in events if e.event_type == dg.DagsterEventType.RUN_FAILURE),

@@ -43,7 +43,7 @@ def collect(dataset: Path) -> list[dict]:
         load_answer_set,
     )
     from pipelines.retrieval.responses import query_embedder, retrieve
-    from pipelines.retrieval.search import visible_sources
+    from pipelines.retrieval.readable import readable
     from pipelines.settings import load_settings
     from pipelines.storage.database import connect, ensure_database
     from pipelines.storage.database import database_url as server_url
@@ -56,7 +56,7 @@ def collect(dataset: Path) -> list[dict]:
     with connect(settings) as conn:
         _ingest_corpus(conn, settings, f"answers-{name}", dataset / "corpus.jsonl", None)
         embedder = query_embedder(conn, settings)
-        keys = list(visible_sources(conn, []).values())
+        keys = readable(conn, []).keys
         for case in load_answer_set(dataset / "questions.jsonl"):
             query_class, hits = retrieve(conn, settings, case["question"], 5, mode="qa_first")
             contexts = _contexts(conn, hits)

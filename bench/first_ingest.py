@@ -36,7 +36,7 @@ LANGCHAIN_FULL_INGEST_S = 617.9  # issue 21's side-by-side run (LangChain index(
 def run_ingest(corpus: Path, env: dict) -> tuple[float, dict]:
     kb = Path(sys.executable).with_name("kb")
     started = time.perf_counter()
-    done = subprocess.run([str(kb), "ingest", str(corpus), "--source", "bench", "--json"], env=env,
+    done = subprocess.run([str(kb), "ingest", str(corpus), "--source", "bench", "--public", "--json"], env=env,
                           capture_output=True, text=True, check=True)
     return time.perf_counter() - started, json.loads(done.stdout)
 

@@ -72,7 +72,7 @@ def main() -> None:
     good_records(records)
     archive.mkdir()
     (archive / "old-memo.md").write_text("# Old memo\n\nThe okapi enclosure moved in 2019.\n")
-    first = subprocess.run([KB, "ingest", str(docs), str(records), str(archive), "--json"], env=env,
+    first = subprocess.run([KB, "ingest", str(docs), str(records), str(archive), "--public", "--json"], env=env,
                            capture_output=True, text=True)
     assert first.returncode == 0, first.stderr
 

@@ -123,7 +123,7 @@ def main() -> None:
                 write_corpus(corpus, documents)
                 env.update({"KB_EMBEDDER": "openai", "OPENAI_BASE_URL": fake.base_url, "OPENAI_API_KEY": "bench",
                             "KB_OPENAI_MODEL": "fake-384"})
-            run = measure([kb, "ingest", str(corpus), "--source", "bench", "--json"], env)
+            run = measure([kb, "ingest", str(corpus), "--source", "bench", "--public", "--json"], env)
             counters = json.loads(run.pop("output"))
             rows.append({"documents": documents, "chunks": counters["chunks_inserted"],
                          "failed": counters["documents_failed"], **run})

@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 
 from bench.report import print_table, write_results
-from pipelines.ingest.parse import _parse_task, parse_file, warm_worker
+from pipelines.ingest.parse import PARSER_VERSION, _parse_task, parse_file, warm_worker
 from pipelines.ingest.workers import _stop_pool, isolated_map
 from pipelines.settings import Limits
 
@@ -93,7 +93,7 @@ def main() -> None:
             rows.append({"format": fmt, "documents": len(items), "mb": round(megabytes, 2),
                          "elements_per_doc": round(elements / len(items), 1),
                          "docs_per_s": round(len(items) / seconds, 1), "mb_per_s": round(megabytes / seconds, 2)})
-        everything = [(Path(p).read_bytes(), Path(p).name, f, Limits()) for items in tasks.values() for p, f in items]
+        everything = [(Path(p).read_bytes(), Path(p).name, f, Limits(), PARSER_VERSION) for items in tasks.values() for p, f in items]
         cold, warm = {}, {}
         for workers in (1, args.workers):
             _stop_pool()  # each measurement starts its own workers

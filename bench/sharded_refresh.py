@@ -51,7 +51,7 @@ def refresh(server: str, folder: Path, workers: int, dask: str | None) -> dict:
     with psycopg.connect(server, autocommit=True) as admin:
         admin.execute(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")
     env = {**os.environ, "DATABASE_URL": ensure_database(server, name), "KB_PARSE_WORKERS": str(workers)}
-    elapsed, summary = kb("ingest", str(folder), "--source", "docs", "--json", *(["--dask", dask] if dask else []),
+    elapsed, summary = kb("ingest", str(folder), "--source", "docs", "--public", "--json", *(["--dask", dask] if dask else []),
                           env=env)
     with psycopg.connect(server, autocommit=True) as admin:
         admin.execute(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")

@@ -219,14 +219,16 @@ def dask_option(help_text: str):
 
 
 @main.command()
-@click.argument("paths", nargs=-1, type=click.Path(exists=True))
+@click.argument("paths", nargs=-1)
 @click.option("--source", "source_name",
               help="Source name: with a PATH, the name to declare it under (default: the folder or file name);"
                    " alone, the declared source to ingest.")
 @click.option("--include", multiple=True, help="Glob of files to take from a new folder source (repeatable).")
 @click.option("--exclude", multiple=True, help="Glob of files to skip in a new folder source (repeatable).")
 @click.option("--group", "groups", multiple=True,
-              help="Only callers in this group may read a new source's documents (repeatable; default: everyone).")
+              help="Only callers in this group may read a new source's documents (repeatable).")
+@click.option("--public", is_flag=True, help="Every caller may read a new source's documents (say it: a new source"
+                                             " needs --group or --public).")
 @click.option("--allow-deletions", is_flag=True,
               help="Confirm that documents really are gone: soft-delete them even beyond the source's"
                    " max_deletion_share (a crawl that would delete more deletes none without this).")
@@ -238,13 +240,14 @@ def dask_option(help_text: str):
 @dask_option("Parse the documents on this dask scheduler's workers (tcp://host:8786), which need no access to"
              " the files: this process reads them and holds the lock; default: KB_PARSE_WORKERS local processes.")
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable summary.")
-def ingest(paths, source_name, include, exclude, groups, allow_deletions, accept_new_root, retry_failed, dask,
-           as_json) -> None:
+def ingest(paths, source_name, include, exclude, groups, public, allow_deletions, accept_new_root, retry_failed,
+           dask, as_json) -> None:
     """Ingest declared sources: all of them, the one named by --source, or the folders and JSONL files given.
 
-    A PATH that is not a declared source yet is declared from this command (with its --include, --exclude and
-    --group). A declared source is ingested exactly as declared: giving it another location, globs or groups
-    here is refused; change a declaration with `kb source update` or in its config file."""
+    A PATH that is not a declared source yet is declared from this command (with its --include, --exclude, and
+    --group or --public: a new source says who may read it). A declared source is ingested exactly as declared:
+    giving it another location, globs or groups here is refused; change a declaration with `kb source update` or
+    in its config file. A name that the kb.toml at hand declares is that source, never a folder of that name."""
     from pipelines.ingest.golden import GateFailed
     from pipelines.ingest.run import (
         EXIT_FILE_FAILURES,
@@ -264,16 +267,22 @@ def ingest(paths, source_name, include, exclude, groups, allow_deletions, accept
 
     if source_name and len(paths) > 1:
         raise click.UsageError("--source names one source: give one path with it")
-    if not paths and (include or exclude or groups):
-        raise click.UsageError("--include, --exclude and --group declare a new source: give its PATH, or change a"
-                               " declared source with `kb source update`")
+    if not paths and (include or exclude or groups or public):
+        raise click.UsageError("--include, --exclude, --group and --public declare a new source: give its PATH, or"
+                               " change a declared source with `kb source update`")
+    if groups and public:
+        raise click.UsageError("--public and --group contradict each other")
     settings = load_settings()
     with connect(settings) as conn:
         if paths:
             who = actor("kb ingest")
             source_ids = []
             for path in paths:
-                declared, new = source_for_ingest(conn, path, source_name, include, exclude, groups or None, who)
+                if (named := _name_in_config(conn, settings, path)) is not None:
+                    source_ids.append(named)
+                    continue
+                declared, new = source_for_ingest(conn, path, source_name, include, exclude, groups or None, who,
+                                                  public)
                 if new:
                     click.echo(f"declared source {_source_line(declared)}", err=True)
                 source_ids.append(declared.source_id)
@@ -293,6 +302,8 @@ def ingest(paths, source_name, include, exclude, groups, allow_deletions, accept
             confirmed = Confirmations(allow_deletions, accept_new_root, retry_failed)
             with IngestRun.open(conn, settings, embedder, source_ids, progress=_progress_factory(not as_json),
                                 confirmed=confirmed, workers=Workers(settings.parse_workers, dask)) as run:
+                for warning in run.warnings:
+                    click.echo(f"note: {warning}", err=True)
                 summary = run.run_all()
         except WorkersUnavailable as unavailable:
             raise UserError(str(unavailable)) from None
@@ -305,6 +316,26 @@ def ingest(paths, source_name, include, exclude, groups, allow_deletions, accept
     _emit(data, as_json, "\n".join(_ingest_lines(data, settings.unsupported_files)))
     if data["errors"]:
         sys.exit(EXIT_FILE_FAILURES)
+
+
+def _name_in_config(conn, settings, path: str) -> str | None:
+    """A PATH argument that names a source of the kb.toml at hand is that source: ingest it as declared, or, when the
+    file's declaration is not applied, refuse (taking a folder of that name for a new public source would bypass
+    what the file says about who may read it)."""
+    from pipelines.sources.declarations import DeclarationError, get_source, read_config
+
+    if settings.config_path is None or "/" in path:
+        return None
+    try:
+        names = {s.source_id for s in read_config(settings.config_path)}
+    except DeclarationError:
+        return None  # a file that does not read declares nothing here; `kb source apply` says what is wrong with it
+    if path not in names:
+        return None
+    if get_source(conn, path) is None:
+        raise UserError(f"{path!r} is a source declared in {settings.config_path}, which is not applied: run"
+                        f" `kb source apply` first, then `kb ingest --source {path}`")
+    return path
 
 
 def _ingest_lines(data: dict, unsupported: str) -> list[str]:
@@ -659,6 +690,67 @@ def _check_port_free(host: str, port: int) -> None:
                             " or give another --port") from None
 
 
+@main.command(name="migrate")
+@click.option("--wait", "wait_s", default=60.0, show_default=True, type=click.FloatRange(0, None),
+              help="Seconds to wait for the migration lock while another process holds it.")
+@click.option("--json", "as_json", is_flag=True)
+def migrate_command(wait_s, as_json) -> None:
+    """Install or upgrade kb's schema: run it after upgrading kb (until then serving answers 503 and other commands
+    say to run it). Says what is pending and about how long it will take before it starts, then applies each file
+    in its own transaction and prints its time. Nothing pending: says so."""
+    import psycopg
+
+    from pipelines.storage.database import location, upgrade_schema
+    from pipelines.storage.migrations import RATES, MigrationLockBusy, duration, estimate
+
+    settings = load_settings()
+    plan, applied = [], []
+
+    def say(line: str) -> None:
+        click.echo(line, err=as_json)  # with --json, progress goes to stderr and stdout is the JSON alone
+
+    def before(conn, files) -> None:
+        plan.extend({"name": item.name, **estimate(conn, item).as_dict()} for item in files)
+        say(f"{_count(len(plan), 'file')} pending in {location(settings)}: "
+            + "; ".join(f"{step['name']} ({step['work']})" for step in plan))
+        say(f"estimate: {duration(sum(step['estimate_s'] for step in plan))} ({RATES}); serving answers 503 until"
+            " it is done")
+
+    def done(item, seconds: float) -> None:
+        applied.append({"name": item.name, "elapsed_s": round(seconds, 3)})
+        say(f"applied {item.name} in {seconds:.2f} s")
+
+    try:
+        upgrade_schema(settings, wait_s=wait_s, before=before, applied=done)
+    except MigrationLockBusy as busy:
+        raise UserError(str(busy)) from None
+    except psycopg.Error as exc:
+        if isinstance(exc, psycopg.OperationalError) or len(applied) == len(plan):
+            raise
+        failed = plan[len(applied)]["name"]
+        raise click.ClickException(f"{failed} failed: {' '.join(str(exc).split())}. The files before it are applied"
+                                   " and kept, nothing of it is; fix the cause, then run `kb migrate` again") from exc
+    data = {"database": location(settings), "pending": plan, "applied": applied,
+            "elapsed_s": round(sum(step["elapsed_s"] for step in applied), 3)}
+    _emit(data, as_json, f"kb's schema in {location(settings)} is up to date: "
+          + (f"applied {_count(len(applied), 'file')} in {data['elapsed_s']:.2f} s" if applied else "nothing to migrate"))
+
+
+@main.command()
+@click.option("--force", is_flag=True, help="Stop it even while other kb processes use it (they lose their"
+                                            " connections; a running `kb serve` answers 503 from then on).")
+def stop(force) -> None:
+    """Stop the embedded PostgreSQL of this KB_HOME. It runs for as long as some kb process uses it and stops with
+    the last one, but a process killed without running its exit handlers (SIGKILL, or SIGTERM to most commands)
+    leaves it running. Refuses, naming them, while other kb processes use it; does nothing when it is not running."""
+    from pipelines.storage.database import ServerInUse, stop_embedded
+
+    try:
+        click.echo(stop_embedded(load_settings().home, force))
+    except ServerInUse as in_use:
+        raise UserError(str(in_use)) from None
+
+
 @main.command()
 @click.argument("answer", type=click.File("r"))
 @click.option("--group", "groups", multiple=True, help="Read as a caller in this group (repeatable).")
@@ -1005,6 +1097,13 @@ def dagster_group() -> None:
 
 
 def _executor_config(dask: str | None) -> dict:
+    """The run config of a command's run. `--dask` on the operator's own command line declares the deployment's
+    scheduler for this process (as KB_DASK_SCHEDULER would), which is the only one a run may use
+    (assets/executors.py)."""
+    import os
+
+    if dask:
+        os.environ["KB_DASK_SCHEDULER"] = dask
     return {"execution": {"config": {"dask": {"address": dask}}}} if dask else {}
 
 

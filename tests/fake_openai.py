@@ -21,11 +21,15 @@ def fake_vector(text: str, dimensions: int = DIMENSIONS) -> list[float]:
 
 
 class FakeOpenAI:
-    """Scripted failures first (status codes, or 'hang'), then correct answers; records what it saw."""
+    """Scripted failures first (status codes, or 'hang': no answer until the server stops, however long the client
+    waits), then correct answers; records what it saw."""
 
     def __init__(self, failures=(), delay_s: float = 0.0, chat_reply: str = "[]", dimensions: int = DIMENSIONS,
-                 zero_when=lambda text: False, chat=None, hold_after: int | None = None):
+                 zero_when=lambda text: False, chat=None, hold_after: int | None = None, meet: int = 1):
         self.failures = list(failures)
+        # Embedding requests wait until `meet` of them have been in flight at once: a client that sends that many
+        # concurrently is seen doing so however fast or slow the machine (`delay_s` then holds each one).
+        self.meet, self.met = meet, threading.Event()
         # After this many chat prompts, later chat requests wait until the server stops: a client can then be
         # killed mid-generation deterministically (`held` is set once one is waiting).
         self.hold_after, self.held, self.release = hold_after, threading.Event(), threading.Event()
@@ -52,9 +56,11 @@ class FakeOpenAI:
                     failure = fake.failures.pop(0) if fake.failures else None
                     fake.in_flight += 1
                     fake.max_in_flight = max(fake.max_in_flight, fake.in_flight)
+                    if fake.in_flight >= fake.meet:
+                        fake.met.set()
                 try:
                     if failure == "hang":
-                        time.sleep(1.5)
+                        fake.release.wait(timeout=600)
                         return
                     if self.path.endswith("/chat/completions") and not failure:
                         prompt = body["messages"][-1]["content"]
@@ -77,6 +83,7 @@ class FakeOpenAI:
                         if failure == 429:
                             self.send_header("Retry-After", "1")
                     else:
+                        fake.met.wait(timeout=60)
                         time.sleep(fake.delay_s)
                         inputs = body["input"]
                         with fake.lock:

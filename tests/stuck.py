@@ -7,6 +7,6 @@ from pipelines.ingest.parse import _parse_task
 
 
 def parse_unless_stuck(task: tuple):
-    if task[1] == "handbook/leave-policy.md":  # (its bytes, locator, format, limits)
+    if task[1] == "handbook/leave-policy.md":  # (its bytes, locator, format, limits, parser version)
         threading.Event().wait()
     return _parse_task(task)

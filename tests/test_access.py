@@ -92,7 +92,7 @@ def test_a_second_path_never_repoints_a_source(settings, tmp_path, instance):
     for folder, text in ((first, "Travel is booked through the portal."), (second, "Nothing to see.")):
         folder.mkdir(parents=True)
         (folder / "travel.md").write_text(f"# Travel\n\n{text}\n")
-    kb("ingest", str(first))
+    kb("ingest", str(first), "--public")
     refused = kb("ingest", str(second), expect=2)
     assert "handbook" in refused.output and str(first) in refused.output
     materialize(instance, "handbook")
@@ -104,7 +104,7 @@ def test_a_second_path_never_repoints_a_source(settings, tmp_path, instance):
 
 @pytest.fixture
 def restricted_kb(settings, hr_folder, samples_copy):
-    kb("ingest", str(samples_copy), "--source", "samples")
+    kb("ingest", str(samples_copy), "--source", "samples", "--public")
     kb("ingest", str(hr_folder), "--source", "hr", "--group", "hr")
     return settings
 
@@ -176,7 +176,7 @@ def test_a_callers_results_do_not_depend_on_documents_it_cannot_read(settings, s
     restricted.write_text("".join(json.dumps({"_id": f"r{i}", "title": f"Zebra memo {i}",
                                               "text": f"Zebra zebra zebra: restricted leave policy memo {i}."}) + "\n"
                                   for i in range(80)))
-    kb("ingest", str(samples_copy), "--source", "samples")
+    kb("ingest", str(samples_copy), "--source", "samples", "--public")
     queries = ["zebra crossing", "parental leave policy", "zebra", "how many weeks of leave", "HR-2024-047"]
 
     def results(conn):
@@ -245,7 +245,7 @@ def test_a_symlink_out_of_the_source_folder_is_a_per_file_error(settings, sample
     (samples_copy / "ops" / "shadow.txt").symlink_to(secret)
     (samples_copy / "ops" / "escape").symlink_to(secret.parent, target_is_directory=True)
 
-    result = kb("ingest", str(samples_copy), "--source", "samples", "--json", expect=3)
+    result = kb("ingest", str(samples_copy), "--source", "samples", "--public", "--json", expect=3)
     errors = json.loads(result.stdout)["errors"]
     assert [e["file"] for e in errors] == ["ops/shadow.txt"]
     assert "is a symbolic link" in errors[0]["reason"] and str(samples_copy / "ops/shadow.txt") in errors[0]["reason"]

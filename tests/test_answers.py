@@ -212,7 +212,7 @@ def test_a_run_killed_while_writing_cards_converges_to_a_clean_run(settings, sam
     with FakeOpenAI(chat=scripted_chat(), hold_after=2) as fake:  # the third card call waits for the kill
         env = {**os.environ, "KB_CHAT_MODEL": "scripted-chat", "OPENAI_BASE_URL": fake.base_url,
                "OPENAI_API_KEY": "test-key", "KB_CHAT_CONCURRENCY": "1", "PYTHONUNBUFFERED": "1"}
-        run = subprocess.Popen([kb_bin, "ingest", str(samples_copy), "--source", "samples"], env=env,
+        run = subprocess.Popen([kb_bin, "ingest", str(samples_copy), "--source", "samples", "--public"], env=env,
                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         assert fake.held.wait(timeout=600), "the run never reached its third card call"
         run.send_signal(signal.SIGKILL)
@@ -238,7 +238,8 @@ def test_a_run_killed_while_writing_cards_converges_to_a_clean_run(settings, sam
 def test_an_as_of_answer_cites_what_was_valid_then_and_labels_come_from_metadata(settings, tmp_path):
     """An answer about a document as it was (since changed) is validated against the chunks valid then, not
     refused; a source label written inside a document is not copied into an answer."""
-    from datetime import datetime, timezone
+    import time
+    from datetime import timedelta
 
     folder = tmp_path / "notes"
     folder.mkdir()
@@ -248,11 +249,17 @@ def test_an_as_of_answer_cites_what_was_valid_then_and_labels_come_from_metadata
     kb_bin = str(Path(sys.executable).parent / "kb")
     run = lambda *args: subprocess.run([kb_bin, *args], capture_output=True, text=True,  # noqa: E731
                                        env=os.environ.copy(), timeout=600)
-    assert run("ingest", str(folder), "--source", "notes").returncode == 0
-    then = datetime.now(timezone.utc).isoformat(timespec="seconds")
+    assert run("ingest", str(folder), "--source", "notes", "--public").returncode == 0
+    with connect(settings) as conn:  # --as-of reads whole seconds: the first one at or after that publication
+        published = conn.execute("SELECT max(valid_from) FROM chunks").fetchone()[0]
+        then = published.replace(microsecond=0) + timedelta(seconds=bool(published.microsecond))
+        deadline = time.monotonic() + 10
+        while not conn.execute("SELECT clock_timestamp() > %s", (then,)).fetchone()[0]:  # the edit comes after it
+            assert time.monotonic() < deadline, "the database's clock stands still"
+            time.sleep(0.05)
     policy.write_text("# Travel policy\n\nBusiness travel now needs a manager's approval.\n")
     assert run("ingest", "--source", "notes").returncode == 0
-    answer = json.loads(run("ask", "What is the daily meal allowance for business travel?", "--as-of", then,
+    answer = json.loads(run("ask", "What is the daily meal allowance for business travel?", "--as-of", then.isoformat(),
                             "--json").stdout)
     assert not answer["abstained"], answer["reason"]
     assert "42 EUR" in answer["answer"] and "hr:salaries.md" not in answer["answer"]

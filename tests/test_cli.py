@@ -17,6 +17,7 @@ import termios
 from pathlib import Path
 
 import pytest
+from deadline import killed_after
 
 from pipelines.settings import SAMPLES_DIR
 
@@ -86,7 +87,7 @@ def test_the_knowledge_base_is_found_upward_like_git_else_per_user(settings, tmp
 
 
 def test_each_stage_reports_its_total_and_its_end_when_not_on_a_terminal(settings, tmp_path):
-    out = kb("ingest", str(small_folder(tmp_path)), str(records(tmp_path)))
+    out = kb("ingest", str(small_folder(tmp_path)), str(records(tmp_path)), "--public")
     assert out.returncode == 0, out.stderr
     lines = out.stderr.splitlines()
     assert [line.split(":")[0] for line in lines[:2]] == ["declared source small", "declared source tickets"]
@@ -109,22 +110,23 @@ def on_a_terminal(*args: str) -> str:
     fcntl.ioctl(follower, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 120, 0, 0))
     process = subprocess.Popen([KB, *args], stdout=subprocess.PIPE, stderr=follower, env=os.environ.copy())
     os.close(follower)
-    screen = b""
-    while True:
-        try:
-            chunk = os.read(leader, 4096)
-        except OSError:  # the terminal closed
-            break
-        if not chunk:
-            break
-        screen += chunk
-    assert process.wait(timeout=600) == 0
+    with killed_after(process):
+        screen = b""
+        while True:
+            try:
+                chunk = os.read(leader, 4096)
+            except OSError:  # the terminal closed
+                break
+            if not chunk:
+                break
+            screen += chunk
+        assert process.wait(timeout=600) == 0
     return screen.decode(errors="replace")
 
 
 def test_on_a_terminal_each_stage_shows_a_bar_with_total_rate_and_eta(settings, tmp_path):
     folder = small_folder(tmp_path)
-    text = on_a_terminal("ingest", str(folder))
+    text = on_a_terminal("ingest", str(folder), "--public")
     for stage in ("extract", "parse", "chunk", "enrich", "embed", "publish"):
         bar = re.search(rf"{stage}\s*: +\d+%\|[^|]*\| \d+/(\d+) \[\d\d:\d\d<[\d:?]+, +(?:[\d.?]+ ?\w+/s|[\d.]+s/\w+)\]",
                         text)
@@ -137,7 +139,7 @@ def test_on_a_terminal_each_stage_shows_a_bar_with_total_rate_and_eta(settings, 
 
 
 def test_text_output_has_iso_times_and_never_says_none(settings, tmp_path):
-    assert kb("ingest", str(small_folder(tmp_path))).returncode == 0
+    assert kb("ingest", str(small_folder(tmp_path)), "--public").returncode == 0
     status = kb("status")
     assert re.search(rf"last crawled {ISO}", status.stdout) and re.search(rf"last run: #1 .* at {ISO}", status.stdout)
     debug = kb("search", "printer duplex jam HR-2024-047", "--debug", "--k", "5")
@@ -145,11 +147,12 @@ def test_text_output_has_iso_times_and_never_says_none(settings, tmp_path):
     history = kb("history", "small:leave-policy.md")
     assert re.search(ISO, history.stdout) and "None" not in history.stdout
     as_json = json.loads(kb("status", "--json").stdout)
-    assert re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d+\+00:00", as_json["last_run"]["started_at"])
+    started = as_json["last_run"]["started_at"]  # isoformat() leaves out a fraction of .000000
+    assert re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d(\.\d+)?\+00:00", started), started
 
 
 def test_an_as_of_before_the_first_ingest_says_why_nothing_is_found(settings, tmp_path):
-    assert kb("ingest", str(small_folder(tmp_path))).returncode == 0
+    assert kb("ingest", str(small_folder(tmp_path)), "--public").returncode == 0
     out = kb("search", "HR-2024-047", "--as-of", "2024-06-01")
     assert out.returncode == 0
     assert re.match(rf"no results: nothing was in the knowledge base at 2024-06-01T00:00:00\+00:00: its history starts"
@@ -191,14 +194,16 @@ def postgres_without_pgvector(tmp_path):
         shutil.chown(data, "postgres")
         as_postgres = ["runuser", "-u", "postgres", "--"]
     subprocess.run([*as_postgres, bin_dir / "initdb", "-D", data, "-A", "trust", "-U", "postgres"], check=True,
-                   capture_output=True)
+                   capture_output=True, timeout=300)
     port = free_port()
     subprocess.run([*as_postgres, bin_dir / "pg_ctl", "-D", data, "-w", "-l", data / "log", "-o",
-                    f"-p {port} -k {data} -c listen_addresses=127.0.0.1", "start"], check=True, capture_output=True)
+                    f"-p {port} -k {data} -c listen_addresses=127.0.0.1", "start"], check=True, capture_output=True,
+                   timeout=300)
     try:
         yield f"postgresql://postgres@127.0.0.1:{port}/postgres"
     finally:
-        subprocess.run([*as_postgres, bin_dir / "pg_ctl", "-D", data, "-m", "immediate", "stop"], capture_output=True)
+        subprocess.run([*as_postgres, bin_dir / "pg_ctl", "-D", data, "-m", "immediate", "stop"], capture_output=True,
+                       timeout=300)
 
 
 def test_a_server_without_pgvector_is_a_configuration_error(postgres_without_pgvector):
@@ -207,7 +212,7 @@ def test_a_server_without_pgvector_is_a_configuration_error(postgres_without_pgv
 
 
 def test_cite_strict_fails_on_an_invalid_citation(settings, tmp_path):
-    assert kb("ingest", str(small_folder(tmp_path))).returncode == 0
+    assert kb("ingest", str(small_folder(tmp_path)), "--public").returncode == 0
     hits = json.loads(kb("search", "primary caregiver paid leave weeks", "--k", "3", "--json").stdout)["chunks"]
     answer = {"claims": [{"text": "Primary caregivers get paid leave.", "citations": [hits[0]["chunk_id"]]},
                          {"text": "Primary caregivers get paid leave.", "citations": [10**9]}],
@@ -225,7 +230,7 @@ def test_cite_strict_fails_on_an_invalid_citation(settings, tmp_path):
 def test_a_file_name_cannot_forge_a_line_of_output(settings, tmp_path):
     folder = small_folder(tmp_path)
     (folder / "evil\nERROR small:forged.md: everything is fine.md").write_bytes(b"")  # an empty file fails
-    out = kb("ingest", str(folder), "--source", "small")
+    out = kb("ingest", str(folder), "--source", "small", "--public")
     assert out.returncode == 3
     errors = [line for line in out.stdout.splitlines() if line.startswith("ERROR")]
     assert len(errors) == 1 and errors[0].startswith("ERROR small:evil\\x0aERROR small:forged.md")  # one failure
@@ -312,7 +317,7 @@ def test_serve_on_a_busy_port_is_one_line_not_uvicorns_log():
 def test_an_openai_endpoint_that_is_not_configured_or_not_listening_fails_at_once(settings, tmp_path):
     """Named before any request, so the client's retries (about 24 s, then `Connection error.`) never start."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("OPENAI_")}
-    one_error_line(kb("ingest", str(small_folder(tmp_path)), env={**env, "KB_EMBEDDER": "openai"}),
+    one_error_line(kb("ingest", str(small_folder(tmp_path)), "--public", env={**env, "KB_EMBEDDER": "openai"}),
                    "KB_EMBEDDER=openai needs an OpenAI-compatible endpoint", "OPENAI_API_KEY", "OPENAI_BASE_URL")
     dead = f"http://127.0.0.1:{free_port()}/v1"
     one_error_line(kb("serve", "--port", str(free_port()), env={**env, "KB_CHAT_MODEL": "gpt-x", "OPENAI_BASE_URL": dead}),
@@ -320,7 +325,7 @@ def test_an_openai_endpoint_that_is_not_configured_or_not_listening_fails_at_onc
 
 
 def test_cite_checks_kb_ask_output_and_refuses_what_is_not_an_answer(settings, tmp_path):
-    assert kb("ingest", str(small_folder(tmp_path))).returncode == 0
+    assert kb("ingest", str(small_folder(tmp_path)), "--public").returncode == 0
     asked = kb("ask", "How many weeks of paid leave does a primary caregiver get?", "--json")
     assert asked.returncode == 0, asked.stderr
     assert json.loads(asked.stdout)["sentences"], asked.stdout
@@ -334,7 +339,7 @@ def test_cite_checks_kb_ask_output_and_refuses_what_is_not_an_answer(settings, t
 
 def test_search_names_an_unknown_source_or_group_and_says_what_it_leaves_out(settings, tmp_path):
     assert kb("ingest", str(small_folder(tmp_path)), "--group", "hr").returncode == 0
-    assert kb("ingest", str(records(tmp_path))).returncode == 0
+    assert kb("ingest", str(records(tmp_path)), "--public").returncode == 0
     one_error_line(kb("search", "printer", "--source-id", "nosuch"), "no source 'nosuch' is declared")
     one_error_line(kb("search", "printer", "--group", "hrr"), "no declared source is readable by group 'hrr'",
                    "groups in use: hr")
@@ -359,7 +364,7 @@ def test_files_of_types_kb_does_not_read_are_skipped_and_listed_not_failed(setti
     folder = small_folder(tmp_path)
     (folder / "photo.png").write_bytes(b"\x89PNG\r\n\x1a\n....")
     (folder / "firmware.bin").write_bytes(b"\x00\x01" * 50)
-    out = kb("ingest", str(folder))
+    out = kb("ingest", str(folder), "--public")
     assert out.returncode == 0, out.stdout
     assert ("skipped 2 files of types kb does not read: small:firmware.bin, small:photo.png; exclude them, or"
             " KB_UNSUPPORTED_FILES=fail to fail them") in out.stdout

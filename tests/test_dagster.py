@@ -11,13 +11,14 @@ from pathlib import Path
 
 import dagster as dg
 
-from assets.automation import SENSORS, ingest_job, kb_automation, scheduled_refresh, source_change_sensor
+from assets.automation import (SENSORS, ingest_job, kb_automation, scheduled_refresh, scheduled_refresh_sensor,
+                               source_change_sensor)
 from assets.definitions import defs
 from assets.ingestion import ingest_flow
 from assets.partitions import SOURCES, sources
 from assets.resources import KnowledgeBase
 from pipelines.ingest.flow import FLOW
-from pipelines.settings import REPO_ROOT, SAMPLES_DIR
+from pipelines.settings import SAMPLES_DIR
 from pipelines.sources.declarations import add_source, declare
 
 BIN = Path(sys.executable).parent
@@ -42,7 +43,8 @@ def test_definitions_load_with_the_stage_lineage():
 
 def test_loading_definitions_imports_neither_torch_nor_unstructured():
     code = "import sys, assets.definitions; print(sorted(m for m in ('torch', 'unstructured', 'sentence_transformers') if m in sys.modules))"
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         timeout=300).stdout
     assert out.strip() == "[]"
 
 
@@ -84,14 +86,18 @@ def _cursor_after(requests) -> str:
     return json.dumps({r.partition_key: r.run_key.split(":", 1)[1] for r in requests}, sort_keys=True)
 
 
-def test_the_plain_dagster_commands_work_from_a_fresh_clone_with_no_kb_environment(tmp_path):
-    """No KB_*, DATABASE_URL or DAGSTER_HOME: Dagster reads ./dagster.yaml, whose storage finds kb's database the way
-    kb does (a per-user home here), starting the embedded server itself; the run's materializations are what kb
-    holds."""
-    env = {"PATH": os.environ["PATH"], "HOME": str(tmp_path), "LANG": "C.UTF-8"}
+def test_the_plain_dagster_commands_work_from_a_fresh_clone_with_no_kb_environment(fresh_clone, tmp_path):
+    """In a fresh clone, with an empty HOME and no KB_*, DATABASE_URL or DAGSTER_HOME: Dagster reads ./dagster.yaml,
+    whose storage finds kb's database the way kb does (the per-user home), starting the embedded server itself; the
+    run's materializations are what kb holds. A ./.kb beside the checkout the suite runs from (`make demo` leaves
+    one) is neither read nor written."""
+    home = tmp_path / "home"
+    home.mkdir()
+    # The clone's own code, as `make install` in the clone would give (an editable install of it).
+    env = {"PATH": os.environ["PATH"], "HOME": str(home), "LANG": "C.UTF-8", "PYTHONPATH": str(fresh_clone)}
 
     def run(*command: str) -> subprocess.CompletedProcess:
-        return subprocess.run(command, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=600)
+        return subprocess.run(command, cwd=fresh_clone, env=env, capture_output=True, text=True, timeout=600)
 
     applied = run(str(BIN / "kb"), "source", "apply", "samples/kb.toml")
     assert applied.returncode == 0, applied.stderr
@@ -101,11 +107,15 @@ def test_the_plain_dagster_commands_work_from_a_fresh_clone_with_no_kb_environme
     status = json.loads(run(str(BIN / "kb"), "status", "--json").stdout)
     faq = next(s for s in status["sources"] if s["source_id"] == "faq")
     assert faq["documents"] == 4 and faq["chunks"] > 0 and status["last_run"]["started_by"] == "dagster"
-    assert status["home"]["found"] == "per-user default"
+    assert status["home"] == {"path": str(home / ".local" / "share" / "kb"), "found": "per-user default",
+                              "database": "embedded"}
+    shown = json.loads(run(str(BIN / "kb"), "source", "show", "faq", "--json").stdout)
+    assert shown["source"]["declared_in"] == str(fresh_clone / "samples" / "kb.toml")  # the clone's, read in place
     code = ("import dagster as dg; from assets.instance import open_instance; from pipelines.settings import"
             " load_settings; i = open_instance(load_settings());"
             " print(sorted(i.get_materialized_partitions(dg.AssetKey('qa_cards'))))")
     assert run(sys.executable, "-c", code).stdout.strip() == "['faq']"
+    assert not (fresh_clone / ".kb").exists()  # nor a fresh, empty knowledge base where the commands ran
 
 
 def test_declared_crons_fire_without_a_click(conn, instance, tmp_path):
@@ -118,9 +128,10 @@ def test_declared_crons_fire_without_a_click(conn, instance, tmp_path):
     add_source(conn, declare("minutely", tmp_path / "minutely", refresh_cron="* * * * *"), "tests")
     add_source(conn, declare("yearly", tmp_path / "yearly", refresh_cron="0 0 1 1 *"), "tests")
     instance.add_dynamic_partitions(SOURCES, ["minutely", "yearly"])
-    two_minutes_ago = (datetime.now(timezone.utc) - timedelta(minutes=2)).isoformat()
-    context = dg.build_sensor_context(instance=instance, cursor=two_minutes_ago, resources={"kb": KnowledgeBase()})
-    assert [r.partition_key for r in scheduled_refresh(context)] == ["minutely"]
+    now = datetime(2026, 12, 31, 23, 59, 30, tzinfo=timezone.utc)  # a set clock: the yearly cron is 30 s away
+    context = dg.build_sensor_context(instance=instance, cursor=(now - timedelta(minutes=2)).isoformat(),
+                                      resources={"kb": KnowledgeBase()})
+    assert [r.partition_key for r in scheduled_refresh_sensor(clock=lambda: now)(context)] == ["minutely"]
 
 
 def test_a_cli_run_is_visible_in_the_instance_with_the_assets_metadata(conn, instance, tmp_path):

@@ -224,8 +224,8 @@ def test_kb_ingest_with_a_dask_scheduler_that_does_not_answer_is_one_error_line(
     assert out.stderr.strip().splitlines()[-1].startswith(f"Error: the dask scheduler at {address} does not answer")
 
 
-def test_a_refresh_parses_with_the_workers_its_executor_has(settings):
-    from assets.executors import run_workers
+def test_a_refresh_parses_with_the_workers_its_executor_has(settings, monkeypatch):
+    from assets.executors import UndeclaredCluster, run_workers
     from pipelines.ingest.workers import Workers
 
     def workers(execution: dict | None) -> Workers:
@@ -234,7 +234,11 @@ def test_a_refresh_parses_with_the_workers_its_executor_has(settings):
     assert workers(None) == workers({"in_process": {}}) == Workers(settings.parse_workers)
     assert workers({"multiprocess": {"max_concurrent": 3}}) == Workers(3)
     assert workers({"multiprocess": {}}) == Workers(settings.parse_workers)
+    monkeypatch.setenv("KB_DASK_SCHEDULER", "tcp://10.0.0.5:8786")
     assert workers({"dask": {"address": "tcp://10.0.0.5:8786"}}) == Workers(dask="tcp://10.0.0.5:8786")
+    assert workers({"dask": {"address": {"env": "KB_DASK_SCHEDULER"}}}) == Workers(dask="tcp://10.0.0.5:8786")
+    with pytest.raises(UndeclaredCluster, match="names the dask scheduler 'tcp://203.0.113.9:8786'"):
+        workers({"dask": {"address": "tcp://203.0.113.9:8786"}})  # a cluster the deployment never declared
 
 
 def _wait_for(marker: str) -> str:

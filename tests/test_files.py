@@ -103,7 +103,7 @@ def test_a_source_root_replaced_by_a_link_reads_and_deletes_nothing(settings, tm
     docs = share / "docs"
     docs.mkdir(parents=True)
     (docs / "handbook.md").write_text("# Handbook\n\nThe okapi handbook.\n")
-    kb("ingest", str(docs), "--source", "share")
+    kb("ingest", str(docs), "--source", "share", "--public")
     private = secret.parent
     (private / "payroll.md").write_text(f"# Payroll\n\n{SECRET}\n")
     (share / "docs").rename(share / "docs.old")
@@ -124,7 +124,7 @@ def test_a_symlink_loop_or_a_pipe_is_one_failed_path_and_the_run_goes_on(setting
     (docs / "loop-a").symlink_to(docs / "loop-b")
     (docs / "loop-b").symlink_to(docs / "loop-a")
     os.mkfifo(docs / "pipe.txt")
-    data = json.loads(kb("ingest", str(docs), "--source", "docs", "--json", expect=3).stdout)
+    data = json.loads(kb("ingest", str(docs), "--source", "docs", "--public", "--json", expect=3).stdout)
     reasons = {e["file"]: e["reason"] for e in data["errors"]}
     assert set(reasons) == {"loop-a", "loop-b", "pipe.txt"}
     assert "symbolic link" in reasons["loop-a"] and "not a regular file" in reasons["pipe.txt"]
@@ -142,7 +142,7 @@ def test_an_unchanged_poison_file_is_reported_not_parsed_again_until_asked(setti
     env_limit = {"KB_MAX_UNZIPPED_MB": "10"}
     os.environ.update(env_limit)
     try:
-        first = json.loads(kb("ingest", str(docs), "--source", "docs", "--json", expect=3).stdout)
+        first = json.loads(kb("ingest", str(docs), "--source", "docs", "--public", "--json", expect=3).stdout)
         assert "expands to 30 MB" in first["errors"][0]["reason"]
         again = json.loads(kb("ingest", "--source", "docs", "--json", expect=3).stdout)
         assert [e["file"] for e in again["errors"]] == ["bomb.docx"]
@@ -182,7 +182,7 @@ def test_only_regular_files_of_an_unsupported_type_are_skipped(settings, tmp_pat
     (docs / "firmware.bin").write_bytes(b"\x00" * 10)
     (docs / "link.bin").symlink_to(docs / "firmware.bin")
     os.mkfifo(docs / "pipe.bin")
-    data = json.loads(kb("ingest", str(docs), "--source", "docs", "--json", expect=3).stdout)
+    data = json.loads(kb("ingest", str(docs), "--source", "docs", "--public", "--json", expect=3).stdout)
     assert [s["file"] for s in data["skipped"]] == ["firmware.bin"]
     assert {e["file"] for e in data["errors"]} == {"link.bin", "pipe.bin"}
 

@@ -1,5 +1,6 @@
 """The migration runner against a real PostgreSQL."""
 
+import json
 import shutil
 from pathlib import Path
 
@@ -9,8 +10,16 @@ import pytest
 
 from pipelines.retrieval.search import search
 from pipelines.settings import SQL_DIR
-from pipelines.storage.database import connect
-from pipelines.storage.migrations import migrate, migration_files
+from pipelines.storage.database import DatabaseUnavailable, SchemaNotReady, connect
+from pipelines.storage.migrations import (
+    SchemaFile,
+    duration,
+    estimate,
+    is_installed,
+    migrate,
+    migration_files,
+    pending,
+)
 from pipelines.storage.vectors import ensure_vector_store
 
 
@@ -43,8 +52,10 @@ ORDER BY 1, 2
 """
 # Counted terms (from sql/014, a term only closed chunks hold also has a row, counting nothing: its postings need a key)
 TERMS = "SELECT term, source_key, df, postings FROM lexical_terms WHERE postings > 0 ORDER BY 1, 2"
-# The BM25 trigger functions as they were before sql/014, which changed the postings they write.
+# The BM25 trigger functions as they were before sql/014, which changed the postings they write, and before sql/015,
+# which added the statistics' history they keep.
 FUNCTIONS_BEFORE_014 = Path(__file__).parent / "data" / "lexical_functions_before_014.sql"
+FUNCTIONS_BEFORE_015 = Path(__file__).parent / "data" / "lexical_functions_before_015.sql"
 
 
 def _migrations_through(tmp_path, last: int):
@@ -54,8 +65,9 @@ def _migrations_through(tmp_path, last: int):
     for version, path in migration_files(old):
         if version > last:
             path.unlink()
-    if last < 14:
-        shutil.copy(FUNCTIONS_BEFORE_014, old / "functions" / "lexical.sql")
+    if last < 15:
+        shutil.copy(FUNCTIONS_BEFORE_014 if last < 14 else FUNCTIONS_BEFORE_015, old / "functions" / "lexical.sql")
+        (old / "functions" / "sources.sql").unlink()
     return old
 
 
@@ -107,6 +119,7 @@ def test_lean_storage_migrates_a_database_built_before_it_in_place(settings, tmp
         assert raw.execute("SELECT count(*) FROM pg_attribute WHERE attrelid = 'chunks'::regclass"
                            " AND attname = 'search_tsv'").fetchone()[0] == 0
         assert raw.execute("SELECT count(*) FROM chunks").fetchone()[0] == 3
+        migrate(raw)  # the rest, as `kb migrate` would: connect() never upgrades a schema
 
     with connect(settings) as conn:
         query = np.array([0.5, 0.75, 0, 0], dtype=np.float32)
@@ -152,7 +165,8 @@ def test_compact_postings_migrate_a_database_built_before_them_in_place(settings
         raw.execute("DELETE FROM chunks WHERE chunk_id = %s", (odd,))
         assert raw.execute(POSTINGS).fetchall() == before["postings"], "nothing changed by the refused migration"
 
-        assert migrate(raw) == ["014_compact_postings.sql", "functions/lexical.sql"]
+        applied = migrate(raw)
+        assert applied[0] == "014_compact_postings.sql" and "functions/lexical.sql" in applied
         without_in_body = [row[:6] for row in before["postings"]]
         assert [row[:6] for row in raw.execute(POSTINGS_014)] == without_in_body
         assert raw.execute(chunks).fetchall() == before["chunks"]
@@ -176,3 +190,191 @@ def test_compact_postings_migrate_a_database_built_before_them_in_place(settings
         assert [h.content for h in hits] == ["cable HR-2024-047 replaced"]
         conn.execute("UPDATE chunks SET valid_to = now() WHERE text_hash = 'cable'")
         assert conn.execute("SELECT df, postings FROM lexical_terms WHERE term = 'encod'").fetchone() == (0, 0)
+
+
+def test_declarations_and_statistics_history_migrate_a_database_built_before_them(settings, tmp_path):
+    """sql/015: a removed source is renamed so its name is free and its history keeps its readers; the statistics'
+    history is rebuilt from the chunks' validity, so that summed up to any time it gives the statistics of the
+    chunks valid then, and summed up to now the live ones."""
+    with psycopg.connect(settings.database_url, autocommit=True) as raw:
+        migrate(raw, _migrations_through(tmp_path, 14))
+        for name, removed in (("kept", False), ("gone", True)):
+            raw.execute("INSERT INTO sources (source_id, kind, location, removed_at) VALUES (%s, 'folder', '/x', %s)",
+                        (name, "2026-01-01" if removed else None))
+            document = raw.execute("INSERT INTO documents (source_id, locator, doc_format, size_bytes, content_hash)"
+                                   " VALUES (%s, 'a.md', 'md', 1, 'h') RETURNING document_id", (name,)).fetchone()[0]
+            for ordinal, (text, valid_from, valid_to) in enumerate((
+                    ("Encoder cable replaced", "2026-01-01", "2026-03-01"),
+                    ("Encoder belt checked twice", "2026-02-01", None),
+                    ("Drive belt encoder manual", "2026-04-01", None))):
+                raw.execute("INSERT INTO chunks (document_id, ordinal, kind, text, embed_prefix, text_hash,"
+                            " section_path, token_count, chunker_version, enrich_version, valid_from, valid_to)"
+                            " VALUES (%s, %s, 'text', %s, 'Manual\n\n', %s, '{}', 4, 'c', 'e', %s, %s)",
+                            (document, ordinal, text, f"{name}{ordinal}", valid_from, valid_to))
+        live_terms = raw.execute("SELECT term_key, df, postings FROM lexical_terms ORDER BY 1").fetchall()
+        live_stats = raw.execute("SELECT source_key, chunks, total_length FROM lexical_stats ORDER BY 1").fetchall()
+        assert "015_declarations_decide_access.sql" in migrate(raw)
+
+        assert [r[0] for r in raw.execute("SELECT source_id FROM sources ORDER BY source_key")] == ["kept", "gone~2"]
+        assert raw.execute("SELECT count(*) FROM documents WHERE source_id = 'gone~2'").fetchone()[0] == 1
+        summed = raw.execute("SELECT t.term_key, coalesce(sum(h.df), 0), coalesce(sum(h.postings), 0)"
+                             " FROM lexical_terms t LEFT JOIN lexical_terms_history h USING (term_key)"
+                             " GROUP BY 1 ORDER BY 1").fetchall()
+        assert summed == live_terms
+        assert raw.execute("SELECT source_key, sum(chunks), sum(total_length) FROM lexical_stats_history"
+                           " GROUP BY 1 ORDER BY 1").fetchall() == live_stats
+        for when, valid in (("2026-01-15", 1), ("2026-02-15", 2), ("2026-03-15", 1), ("2026-05-01", 2)):
+            chunks = raw.execute("SELECT sum(chunks) FROM lexical_stats_history WHERE source_key = 1"
+                                 " AND changed_at <= %s", (when,)).fetchone()[0]
+            encoder = raw.execute("SELECT sum(h.df) FROM lexical_terms_history h JOIN lexical_terms t USING (term_key)"
+                                  " WHERE t.source_key = 1 AND t.term = 'encod' AND h.changed_at <= %s",
+                                  (when,)).fetchone()[0]
+            assert (chunks, encoder) == (valid, valid), when  # every chunk's own text holds "encoder"
+
+
+# Issue 27 (13): schema changes are an explicit step. A connection never upgrades a schema (a migration may rebuild
+# HNSW for minutes); serving never installs or migrates; `kb migrate` takes the lock, says what is pending and how
+# long it will take, then applies each file in its own transaction.
+
+def kb(*args: str):
+    from click.testing import CliRunner
+
+    from pipelines.cli import main
+
+    return CliRunner().invoke(main, list(args))
+
+
+def _behind(settings, tmp_path, last: int = 13) -> list[str]:
+    """The database at migration `last`, as an older kb left it; returns the names a current kb still needs."""
+    with psycopg.connect(settings.database_url, autocommit=True) as raw:
+        migrate(raw, _migrations_through(tmp_path, last))
+        return [item.name for item in pending(raw)]
+
+
+def _applied(settings) -> list[int]:
+    with psycopg.connect(settings.database_url, autocommit=True) as raw:
+        return [row[0] for row in raw.execute("SELECT version FROM kb_schema_migrations ORDER BY version")]
+
+
+def test_connect_on_a_behind_schema_raises_one_line_and_migrates_nothing(settings, tmp_path):
+    todo = _behind(settings, tmp_path)
+    assert todo[0] == "014_compact_postings.sql" and "functions/lexical.sql" in todo
+    for install in (True, False):
+        with pytest.raises(SchemaNotReady) as raised:
+            with connect(settings, install=install):
+                pass
+        line = str(raised.value)
+        assert "\n" not in line and "kb migrate" in line and all(name in line for name in todo), line
+    assert isinstance(raised.value, DatabaseUnavailable)
+    status = kb("status")
+    assert status.exit_code == 2 and status.output.count("\n") == 1, status.output
+    assert status.output.startswith("Error: kb's schema in") and "run `kb migrate`" in status.output
+    assert _applied(settings)[-1] == 13, "nothing was migrated behind the operator's back"
+
+
+def test_kb_migrate_says_what_is_pending_and_how_long_then_applies_each_file(settings, tmp_path):
+    todo = _behind(settings, tmp_path)
+    run = kb("migrate")
+    assert run.exit_code == 0, run.output
+    lines = run.output.splitlines()
+    assert lines[0].startswith(f"{len(todo)} files pending in ") and all(name in lines[0] for name in todo)
+    assert lines[1].startswith("estimate: ") and "bench/README.md" in lines[1]
+    assert [line.split(" in ")[0] for line in lines[2:-1]] == [f"applied {name}" for name in todo]
+    assert lines[-1].startswith("kb's schema in") and f"applied {len(todo)} files" in lines[-1]
+    with connect(settings, install=False) as conn:
+        assert pending(conn) == []
+    again = kb("migrate", "--json")
+    assert again.exit_code == 0 and json.loads(again.stdout)["applied"] == [] and again.stderr == ""
+    assert "nothing to migrate" in kb("migrate").output
+
+
+def test_kb_migrate_applies_each_file_in_its_own_transaction_and_names_the_one_that_failed(settings, tmp_path):
+    _behind(settings, tmp_path, 12)
+    with psycopg.connect(settings.database_url, autocommit=True) as raw:
+        document = _old_document(raw, "Manual\n\n")  # a chunk sql/014 refuses: its embed_text does not end with it
+        raw.execute("UPDATE chunks SET embed_text = 'not the text' WHERE document_id = %s AND ordinal = 0", (document,))
+    run = kb("migrate", "--json")
+    assert run.exit_code == 1
+    error = run.stderr.strip().splitlines()[-1]
+    assert error.startswith("Error: 014_compact_postings.sql failed:") and "files before it are applied" in error
+    assert _applied(settings)[-1] == 13, "sql/013 committed on its own; nothing of sql/014 is"
+
+
+def test_kb_migrate_waits_for_the_lock_then_names_who_holds_it(settings):
+    from pipelines.storage.migrations import _LOCK_ID
+
+    with psycopg.connect(settings.database_url, autocommit=True, application_name="a long migration") as holder:
+        holder.execute("SELECT pg_advisory_lock(%s)", (_LOCK_ID,))
+        run = kb("migrate", "--wait", "0.2")
+        assert run.exit_code == 2 and run.output.count("\n") == 1, run.output
+        holder_pid = holder.info.backend_pid
+    assert f"held by PostgreSQL backend {holder_pid} (application 'a long migration'" in run.output
+    assert "was not released within 0.2 s" in run.output
+    assert kb("migrate").exit_code == 0, "the lock went with its session"
+
+
+def test_a_brand_new_database_is_installed_by_the_cli_and_by_connect_but_never_by_serving(settings):
+    with pytest.raises(SchemaNotReady, match="holds no kb schema yet: run `kb migrate` to install it"):
+        with connect(settings, install=False):
+            pass
+    with psycopg.connect(settings.database_url, autocommit=True) as raw:
+        assert not is_installed(raw), "the refused check created nothing"
+    assert kb("status").exit_code == 0  # any command installs an empty schema: nothing to rebuild
+    assert _applied(settings) == [version for version, _ in migration_files()]
+
+
+def test_a_server_on_a_behind_schema_answers_503_with_the_line_until_kb_migrate_runs(settings, tmp_path):
+    from fastapi.testclient import TestClient
+
+    from pipelines.serving.api import create_app
+
+    todo = _behind(settings, tmp_path)
+    with TestClient(create_app(settings)) as client:
+        requests = [client.get("/v1/knowledge/search", params={"q": "leave"}), client.get("/health"),
+                    client.get("/v1/sources"), client.post("/v1/knowledge/answer", json={"question": "leave?"})]
+        for response in requests:
+            assert response.status_code == 503, response.text
+            line = response.json()["detail"]
+            assert "behind this version of kb" in line and "kb migrate" in line and todo[0] in line and "\n" not in line
+        assert _applied(settings)[-1] == 13, "serving migrated nothing"
+        assert kb("migrate").exit_code == 0
+        searched = client.get("/v1/knowledge/search", params={"q": "leave"})
+        assert searched.status_code == 409 and "kb ingest" in searched.json()["detail"], searched.text  # it serves
+
+
+def test_a_server_on_a_brand_new_database_installs_nothing(settings):
+    from fastapi.testclient import TestClient
+
+    from pipelines.serving.api import create_app
+
+    with TestClient(create_app(settings)) as client:
+        for path in ("/v1/knowledge/search?q=leave", "/health"):
+            response = client.get(path)
+            assert response.status_code == 503 and "holds no kb schema yet" in response.json()["detail"], response.text
+    with psycopg.connect(settings.database_url, autocommit=True) as raw:
+        assert not is_installed(raw) and raw.execute("SELECT to_regclass('chunks')").fetchone()[0] is None
+
+
+def test_a_migration_estimate_comes_from_what_its_file_touches(conn):
+    ensure_vector_store(conn, "none:4", 4)
+    conn.execute("INSERT INTO vectors_none_4 VALUES ('a', '[1,0,0,0]'), ('b', '[0,1,0,0]')")
+    declared = SchemaFile("099_x.sql", "-- kb-migrate: rewrites chunks, lexical_postings; rebuilds hnsw\nSELECT 1;", 99)
+    cost = estimate(conn, declared)
+    assert set(cost.rewrites) == {"chunks", "lexical_postings"} and cost.hnsw_vectors == 2
+    assert "rebuilds HNSW over 2 vectors" in cost.describe() and cost.seconds > 0
+    inferred = estimate(conn, SchemaFile("013_lean_storage.sql", (SQL_DIR / "013_lean_storage.sql").read_text(), 13))
+    assert {"chunks", "lexical_postings"} <= set(inferred.rewrites) and inferred.hnsw_vectors == 2
+    assert estimate(conn, SchemaFile("functions/lexical.sql", "CREATE FUNCTION ...", None)).describe() == "nothing large"
+    assert [duration(s) for s in (0.2, 40, 650, 9000)] == ["under a second", "about 40 s", "about 11 min",
+                                                            "about 2.5 h"]
+
+
+def test_the_dagster_migrate_job_upgrades_a_behind_schema(settings, tmp_path, instance):
+    from assets.resources import KnowledgeBase
+    from assets.schema import migrate_job
+
+    todo = _behind(settings, tmp_path)
+    result = migrate_job.execute_in_process(instance=instance, resources={"kb": KnowledgeBase()})
+    assert result.success and result.output_for_node("migrate_schema") == todo
+    logged = [entry.user_message for entry in instance.all_logs(result.run_id)]
+    assert any(message.startswith("estimate: ") for message in logged) and _applied(settings)[-1] == migration_files()[-1][0]

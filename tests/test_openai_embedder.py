@@ -51,7 +51,7 @@ def test_too_many_failures_raise(settings):
 
 
 def test_concurrency_is_bounded(settings):
-    with FakeOpenAI(delay_s=0.2) as fake:
+    with FakeOpenAI(meet=2, delay_s=0.2) as fake:  # the first waits for a second; held, a third would show
         embedder = OpenAIEmbedder(openai_settings(settings, fake, openai_batch_size=1, openai_concurrency=2))
         embedder.embed([f"t{i}" for i in range(8)])
     assert fake.max_in_flight == 2
@@ -123,7 +123,7 @@ def test_an_endpoint_that_answers_another_dimension_for_one_run_changes_nothing(
             monkeypatch.setenv(name, value)
         if requested:
             monkeypatch.setenv("KB_OPENAI_DIMENSIONS", str(requested))
-        kb("ingest", str(records), "--source", "faq")
+        kb("ingest", str(records), "--source", "faq", "--public")
         registered = models()
         assert [row[1:] for row in registered] == [(DIMENSIONS, "active", True)]
 

@@ -101,7 +101,7 @@ def test_runs_execute_in_process_unless_their_run_config_asks_for_processes_or_d
         assert defs.resolve_job_def(job).executor_def is kb_executor
     assert kb_executor.config_schema.default_value == {"in_process": {}}
     assert set(kb_executor.config_schema.config_type.fields) == {"in_process", "multiprocess", "dask"}
-    assert [job.name for job in defs.jobs] == ["ingest", "reembed"]
+    assert [job.name for job in defs.jobs] == ["ingest", "reembed", "migrate"]
 
 
 def test_every_asset_has_owners_tags_real_upstreams_and_points_at_its_table(conn):

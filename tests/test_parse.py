@@ -268,3 +268,37 @@ def test_markup_nested_past_the_parsers_depth_fails_instead_of_losing_text():
     long_paragraph = b"<p>Intro about okapis.</p><p>" + b"word " * 2_500_000 + f"</p><p>{closing}</p>".encode()
     with pytest.raises(ParseError, match="stopped before the end of the file .*Buffer size limit"):
         parse_bytes(long_paragraph, "log.html", "html")
+
+
+def test_the_parser_version_is_kbs_recipe_and_the_installed_unstructured_shown_as_the_assets_code_version():
+    """PARSER_VERSION changes with kb's own parse recipe and with the installed unstructured, and is the code version
+    of the parsed_elements asset, so that Dagster shows parsed partitions of an older parser as changed code."""
+    import subprocess
+    import sys
+    from importlib.metadata import version
+
+    from assets.ingestion import SPECS
+    from pipelines.ingest.parse import PARSE_RECIPE, PARSER_VERSION
+
+    parsed_elements = next(spec for spec in SPECS if spec.key.path == ["parsed_elements"])
+    assert parsed_elements.code_version == PARSER_VERSION
+    assert PARSER_VERSION == f"{PARSE_RECIPE}+unstructured-{version('unstructured')}"
+    # Another unstructured installed (its metadata read at import, unstructured itself not imported): another version.
+    code = ("import importlib.metadata as m, sys\nreal = m.version\n"
+            "m.version = lambda name: '99.1.0' if name == 'unstructured' else real(name)\n"
+            "from assets.ingestion import SPECS\n"
+            "print(next(s.code_version for s in SPECS if s.key.path == ['parsed_elements']), 'unstructured' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == [f"{PARSE_RECIPE}+unstructured-99.1.0", "False"]
+
+
+def test_a_worker_with_another_parser_version_parses_nothing():
+    """A dask worker with another unstructured (or kb) than the run's would store elements under a version that is not
+    theirs: it refuses, naming both versions, and the file keeps its last good version."""
+    from pipelines.ingest.parse import PARSER_VERSION, _parse_task
+    from pipelines.settings import Limits
+
+    reason = _parse_task((b"# Note\n\nOne small page.\n", "note.md", "md", Limits(), "parse-0+unstructured-0.0.0"))
+    assert isinstance(reason, str)
+    assert PARSER_VERSION in reason and "parse-0+unstructured-0.0.0" in reason

@@ -8,12 +8,12 @@ import signal
 import subprocess
 import sys
 import threading
-import time
-from datetime import datetime, timedelta, timezone
+from datetime import timedelta
 from pathlib import Path
 
 import numpy as np
 import pytest
+from deadline import killed_after
 
 from pipelines.ingest import chunk as drafts
 from pipelines.ingest import publish
@@ -21,7 +21,7 @@ from pipelines.ingest.flow import stage
 from pipelines.ingest.run import IngestRun, ingest
 from pipelines.models.embedders import OnnxEmbedder
 from pipelines.retrieval.search import dense_search
-from pipelines.settings import load_settings
+from pipelines.settings import SAMPLES_DIR, load_settings
 from pipelines.sources.declarations import add_source, declare
 from pipelines.sources.staleness import sweep
 from pipelines.storage.database import connect
@@ -61,9 +61,7 @@ def test_editing_one_section_re_embeds_only_its_chunks_and_keeps_history(conn, e
     run(conn, embedder, samples_copy)
     before = live_texts(conn)
     ids_before = dict(conn.execute("SELECT text, chunk_id FROM chunks WHERE valid_to IS NULL AND kind <> 'card'").fetchall())
-    time.sleep(0.05)
-    between = datetime.now(timezone.utc)
-    time.sleep(0.05)
+    between = conn.execute("SELECT clock_timestamp()").fetchone()[0]  # the clock that stamps versions
     path = samples_copy / POLICY
     path.write_text(path.read_text().replace("up to 10 days of paid family care leave", "up to 12 days of paid family care leave"))
 
@@ -134,6 +132,117 @@ def test_chunker_version_bump_rechunks_from_stored_elements_without_parsing(conn
     assert versions == {"chunker-test-bump"}
 
 
+# What an older kb, or the same kb with an older unstructured, stored as the version of its parser.
+OLDER_PARSER = "parse-0+unstructured-0.0.0"
+
+
+def refresh(conn, embedder):
+    """`kb ingest` of every declared source; the summary and the texts the model was asked to embed."""
+    counting = CountingEmbedder(embedder)
+    return ingest(conn, counting, load_settings()), counting.texts
+
+
+def read_differently_by_an_older_parser(conn, locator: str, text: str, older: str) -> None:
+    """Make one document's elements, and the chunks served from them, those of a parser that read `text` as `older`:
+    its elements are rewritten, and its key cleared so that the next refresh re-chunks it from them."""
+    conn.execute("UPDATE elements e SET text = replace(e.text, %s, %s) FROM documents d"
+                 " WHERE d.document_id = e.document_id AND d.locator = %s AND e.text LIKE '%%' || %s || '%%'",
+                 (text, older, locator, text))
+    conn.execute("UPDATE documents SET published_key = NULL WHERE locator = %s", (locator,))
+
+
+def latest_versions(conn) -> dict[str, int]:
+    return dict(conn.execute("SELECT d.locator, max(v.version) FROM document_versions v JOIN documents d"
+                             " USING (document_id) GROUP BY d.locator").fetchall())
+
+
+def test_a_new_parser_version_re_parses_unchanged_documents_and_publishes_only_what_changed(
+        conn, embedder, samples_copy, tmp_path):
+    """An unstructured upgrade or a change of kb's parsing (here: the stored version set back by SQL) parses every
+    file again from its unchanged bytes, and rebuilds every record's elements. A document the new parser reads as
+    the old one did keeps its chunks and history; one it reads differently is re-chunked, its vectors reused where
+    its text was embedded before, and published once. Nothing changed after that: the next refresh writes nothing."""
+    from pipelines.ingest.parse import PARSER_VERSION
+
+    faq = tmp_path / "faq.jsonl"
+    faq.write_bytes((SAMPLES_DIR / "faq.jsonl").read_bytes())
+    add_source(conn, declare("samples", samples_copy), "tests")
+    add_source(conn, declare("faq", faq), "tests")
+    refresh(conn, embedder)
+    read_differently_by_an_older_parser(conn, POLICY, "family care leave", "family-care leave")
+    read_differently_by_an_older_parser(conn, "faq-002", "within 30 days", "within thirty days")
+    refresh(conn, embedder)
+    assert any("family-care leave" in t for t in live_texts(conn))
+    conn.execute("UPDATE documents SET parser_version = %s", (OLDER_PARSER,))
+    versions = latest_versions(conn)
+
+    summary, embedded = refresh(conn, embedder)
+    counters = summary.counters()
+    assert summary.failures == []
+    assert counters["documents_unchanged"] == 13 and counters["documents_changed"] == 0  # no file changed
+    assert summary.stage("parse").counts["parsed"] == 9  # every file, from its bytes
+    assert summary.stage("parse").counts["same_elements"] == 8
+    assert summary.stage("chunk").counts["documents"] == 2  # the policy and the record read differently
+    assert embedded == []  # their chunks are back to texts embedded before: the vectors are reused
+    assert counters["chunks_inserted"] == counters["chunks_closed"] == 2
+    assert {loc for loc, v in latest_versions(conn).items() if v != versions[loc]} == {POLICY, "faq-002"}
+    assert all(v == versions[loc] + 1 for loc, v in latest_versions(conn).items() if loc in (POLICY, "faq-002"))
+    assert any("family care leave" in t for t in live_texts(conn))
+    assert not any("family-care" in t for t in live_texts(conn))
+    assert any("within 30 days" in t for t in live_texts(conn, "faq-002"))
+    assert {r[0] for r in conn.execute("SELECT DISTINCT parser_version FROM documents")} == {PARSER_VERSION}
+
+    rows = lambda: {t: conn.execute(f"SELECT xmin::text, t::text FROM {t} t ORDER BY 2").fetchall()  # noqa: E731
+                    for t in ("documents", "elements", "chunks", "chunk_drafts", "document_versions")}
+    before = rows()
+    summary, embedded = refresh(conn, embedder)
+    assert summary.stage("parse").counts["parsed"] == summary.stage("chunk").counts["documents"] == 0
+    assert embedded == [] and rows() == before
+
+
+def test_documents_stored_before_the_parser_version_are_parsed_once_and_not_republished(conn, embedder, samples_copy):
+    """sql/016 leaves the documents of an existing knowledge base without a version (unknown): the next refresh parses
+    them once; the same elements come out, so nothing is re-chunked or published, and the refresh after parses none."""
+    from pipelines.ingest.parse import PARSER_VERSION
+
+    run(conn, embedder, samples_copy)
+    conn.execute("UPDATE documents SET parser_version = NULL")
+    versions = latest_versions(conn)
+    add_source(conn, declare("samples", samples_copy), "tests")
+    summary = ingest(conn, embedder, load_settings(), ["samples"])
+    assert summary.stage("parse").counts["parsed"] == summary.stage("parse").counts["same_elements"] == 9
+    assert summary.stage("parse").counts["elements"] == summary.stage("chunk").counts["documents"] == 0
+    assert latest_versions(conn) == versions
+    assert {r[0] for r in conn.execute("SELECT DISTINCT parser_version FROM documents")} == {PARSER_VERSION}
+    assert ingest(conn, embedder, load_settings(), ["samples"]).stage("parse").counts["parsed"] == 0
+
+
+def test_a_re_parse_that_fails_keeps_the_last_good_version(conn, embedder, samples_copy, monkeypatch):
+    """A document the new parser cannot read keeps its elements, chunks and history, and stays marked as parsed by
+    the older parser; the rest of the refresh goes on."""
+    from pipelines.ingest.parse import PARSER_VERSION
+
+    office = {"finance/expense-policy.docx", "sales/q3-2024-review.pptx", "products/spare-parts-prices.xlsx"}
+    run(conn, embedder, samples_copy)
+    conn.execute("UPDATE documents SET parser_version = %s", (OLDER_PARSER,))
+    served = {loc: live_texts(conn, loc) for loc in office}
+    elements = conn.execute("SELECT count(*) FROM elements").fetchone()[0]
+    versions = latest_versions(conn)
+    monkeypatch.setenv("KB_MAX_UNZIPPED_MB", "0.001")  # the new parser refuses every office file
+
+    add_source(conn, declare("samples", samples_copy), "tests")
+    summary = ingest(conn, embedder, load_settings(), ["samples"])
+    assert {f.locator for f in summary.failures} == office
+    assert all("KB_MAX_UNZIPPED_MB" in f.reason for f in summary.failures)
+    assert summary.stage("parse").counts["parsed"] == 6
+    assert {loc: live_texts(conn, loc) for loc in office} == served
+    assert conn.execute("SELECT count(*) FROM elements").fetchone()[0] == elements
+    assert latest_versions(conn) == versions
+    stored = dict(conn.execute("SELECT locator, parser_version FROM documents").fetchall())
+    assert {loc for loc, v in stored.items() if v == OLDER_PARSER} == office
+    assert {v for loc, v in stored.items() if loc not in office} == {PARSER_VERSION}
+
+
 def test_model_switch_builds_beside_the_serving_model_and_switches_atomically(conn, embedder, samples_copy, settings):
     from fake_openai import FakeOpenAI, openai_settings
 
@@ -201,17 +310,18 @@ def vectors_of(conn) -> dict:
 @pytest.mark.parametrize("kill_at", ["parse: ", "embed: "])
 def test_a_run_killed_mid_way_converges_to_the_clean_state(settings, embedder, samples_copy, kill_at):
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "KB_EMBED_BATCH_SIZE": "8"}
-    cmd = [str(Path(sys.executable).parent / "kb"), "ingest", str(samples_copy), "--source", "samples"]
+    cmd = [str(Path(sys.executable).parent / "kb"), "ingest", str(samples_copy), "--source", "samples", "--public"]
     proc = subprocess.Popen(cmd, env=env, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True)
-    for line in proc.stderr:  # progress lines are plain on a pipe: kill as the chosen stage starts
-        if line.partition(" ")[2].startswith(kill_at):  # after the line's time
-            proc.send_signal(signal.SIGKILL)
-            break
-    proc.wait()
+    with killed_after(proc):
+        for line in proc.stderr:  # progress lines are plain on a pipe: kill as the chosen stage starts
+            if line.partition(" ")[2].startswith(kill_at):  # after the line's time
+                proc.send_signal(signal.SIGKILL)
+                break
+        proc.wait(timeout=600)
     assert proc.returncode == -signal.SIGKILL
     with connect(settings) as conn:
         assert conn.execute("SELECT count(*) FROM chunks").fetchone()[0] == 0  # nothing half-published
-    assert subprocess.run(cmd, env=env, capture_output=True).returncode == 0
+    assert subprocess.run(cmd, env=env, capture_output=True, timeout=600).returncode == 0
     with connect(settings) as conn:
         resumed, resumed_vectors = content_of(conn), vectors_of(conn)
         conn.execute("TRUNCATE sources, documents, elements, chunk_drafts, chunks, failures, document_versions,"
@@ -242,8 +352,8 @@ def test_two_concurrent_runs_of_one_source_do_the_work_once(settings, embedder, 
     for t in threads:
         t.start()
     for t in threads:
-        t.join()
-    assert errors == []
+        t.join(timeout=600)
+    assert errors == [] and not any(t.is_alive() for t in threads)
     assert sorted(c["documents_new"] for c in counters) == [0, 9]
     assert sorted(c["embeddings_computed"] for c in counters)[0] == 0
     with connect(settings) as conn:

@@ -6,7 +6,8 @@ import pytest
 
 from pipelines.ingest.run import ingest
 from pipelines.retrieval.query_class import classify
-from pipelines.retrieval.search import BM25_B, BM25_K1, RRF_K, TIE_SHARE, Filters, search, visible_sources
+from pipelines.retrieval.readable import readable
+from pipelines.retrieval.search import BM25_B, BM25_K1, RRF_K, TIE_SHARE, Filters, search
 from pipelines.settings import SAMPLES_DIR, load_settings
 from pipelines.sources.declarations import add_source, declare
 
@@ -142,7 +143,7 @@ def test_weight_extremes_follow_one_arm(kb, embedder):
 
 
 def test_query_classifier_reads_codes_the_corpus_knows_in_few_chunks(kb):
-    keys = list(visible_sources(kb, []).values())
+    keys = readable(kb, []).keys
 
     def weight(query):
         return classify(kb, query, keys).lexical_weight
@@ -314,13 +315,9 @@ def test_filtered_searches_are_exact_whichever_path_they_take(kb, embedder, monk
 
 
 def test_as_of_reads_are_pruned_over_the_chunks_valid_then(kb, embedder, samples_copy, monkeypatch):
-    import time
-    from datetime import datetime, timezone
-
     import pipelines.retrieval.search as search_module
 
-    before = datetime.now(timezone.utc)
-    time.sleep(0.05)
+    before = kb.execute("SELECT clock_timestamp()").fetchone()[0]  # the clock that stamps versions
     policy = samples_copy / "handbook/leave-policy.md"
     policy.write_text(policy.read_text().replace("20 weeks", "26 weeks"))
     ingest(kb, embedder, load_settings())
@@ -341,9 +338,6 @@ def test_an_as_of_read_before_every_document_changed_reads_that_time_from_histor
                                                                                    monkeypatch):
     """When every chunk live today was written after the as-of time, the version served then lives only in history:
     the pruned read finds it there (skipping the live postings) with the scores of an exact read."""
-    import time
-    from datetime import datetime, timezone
-
     import pipelines.retrieval.search as search_module
 
     folder = tmp_path / "notes"
@@ -355,9 +349,7 @@ def test_an_as_of_read_before_every_document_changed_reads_that_time_from_histor
         (folder / name).write_text(text)
     add_source(conn, declare("notes", folder), "tests")
     ingest(conn, embedder, load_settings(), ["notes"])
-    time.sleep(0.05)
-    before = datetime.now(timezone.utc)
-    time.sleep(0.05)
+    before = conn.execute("SELECT clock_timestamp()").fetchone()[0]  # the clock that stamps versions
     (folder / "leave.md").write_text("# Leave\n\nEvery parent now gets 26 weeks of paid leave.\n")
     (folder / "travel.md").write_text("# Travel\n\nFly only when the train takes more than six hours.\n")
     ingest(conn, embedder, load_settings(), ["notes"])

@@ -4,18 +4,19 @@ with the declarations, and one runner for `kb ingest` and Dagster."""
 from __future__ import annotations
 
 import json
-from datetime import datetime, timedelta, timezone
+from datetime import datetime, timezone
 
 import dagster as dg
 import psycopg
 from click.testing import CliRunner
 
-from assets.automation import scheduled_refresh, source_partitions
+from assets.automation import due_refreshes, scheduled_refresh_sensor, source_partitions
 from assets.ingestion import ingest_flow
 from assets.partitions import SOURCES
 from assets.resources import KnowledgeBase
 from pipelines.cli import main
 from pipelines.settings import SAMPLES_DIR
+from pipelines.sources.declarations import declare
 from pipelines.storage.database import connect
 
 
@@ -120,24 +121,62 @@ def test_dagster_partitions_follow_the_declarations(settings, instance):
     assert requests == {"AddDynamicPartitionsRequest": ["tickets"], "DeleteDynamicPartitionsRequest": ["faq"]}
 
 
+def utc(text: str) -> datetime:
+    return datetime.fromisoformat(text).replace(tzinfo=timezone.utc)
+
+
+def test_a_cron_is_due_in_the_first_tick_at_or_after_it_fires():
+    """What is due is decided from the two times given, never the wall clock: each source's own cron (else the
+    default), fired after the last tick and at or before this one, at the first time it fired."""
+    declared = [declare("faq", SAMPLES_DIR / "faq.jsonl", refresh_cron="0 6 * * *"),
+                declare("samples", SAMPLES_DIR / "docs"),  # the default: hourly
+                declare("new-year", SAMPLES_DIR / "docs", refresh_cron="0 0 1 1 *")]
+
+    def due(last: str, now: str) -> dict:
+        return {source_id: (cron, fired) for source_id, cron, fired in
+                due_refreshes(declared, "0 * * * *", utc(last), utc(now))}
+
+    assert due("2026-03-16T05:01", "2026-03-16T05:59") == {}
+    assert due("2026-03-16T05:30", "2026-03-16T06:30") == {"faq": ("0 6 * * *", utc("2026-03-16T06:00")),
+                                                           "samples": ("0 * * * *", utc("2026-03-16T06:00"))}
+    assert due("2026-03-16T06:30", "2026-03-16T07:30") == {"samples": ("0 * * * *", utc("2026-03-16T07:00"))}
+    assert due("2026-03-16T05:59:30", "2026-03-16T06:00").keys() == {"faq", "samples"}  # due at the very second
+    assert due("2026-03-16T06:00", "2026-03-16T06:59:59") == {}  # fired at the last tick: not due again
+    assert due("2026-03-16T23:59", "2026-03-17T00:01").keys() == {"samples"}  # across midnight
+    assert due("2026-12-31T23:59", "2027-01-01T00:00:30") == {"samples": ("0 * * * *", utc("2027-01-01T00:00")),
+                                                              "new-year": ("0 0 1 1 *", utc("2027-01-01T00:00"))}
+    assert due("2026-01-31T05:00", "2026-02-01T07:00") == {  # a day missed, over a month end: each asked once
+        "faq": ("0 6 * * *", utc("2026-01-31T06:00")), "samples": ("0 * * * *", utc("2026-01-31T06:00"))}
+
+
 def test_scheduled_refresh_follows_each_sources_own_cron(settings, instance):
+    """The sensor Dagster runs, on a clock the test sets: a tick requests each source whose own cron fired since
+    the last tick, whatever the time of day the suite runs."""
     kb("source", "add", "faq", str(SAMPLES_DIR / "faq.jsonl"), "--public", "--refresh-cron", "0 6 * * *")
     kb("source", "add", "samples", str(SAMPLES_DIR / "docs"), "--public")  # default KB_REFRESH_CRON: hourly
     instance.add_dynamic_partitions(SOURCES, ["faq", "samples"])
-    resources = {"kb": KnowledgeBase()}
-    first = scheduled_refresh(dg.build_sensor_context(instance=instance, resources=resources))
-    assert first == []  # the first tick notes the time
+    resources, cursor = {"kb": KnowledgeBase()}, None
 
-    two_hours_ago = (datetime.now(timezone.utc) - timedelta(hours=2)).isoformat()
-    requested = scheduled_refresh(dg.build_sensor_context(instance=instance, resources=resources, cursor=two_hours_ago))
-    assert [r.partition_key for r in requested] == ["samples"] + (["faq"] if _six_passed_in(two_hours_ago) else [])
-    assert all(r.run_key.startswith(f"{r.partition_key}:cron:") for r in requested)
+    def tick(now: str) -> dict:
+        nonlocal cursor
+        context = dg.build_sensor_context(instance=instance, resources=resources, cursor=cursor)
+        requests = scheduled_refresh_sensor(clock=lambda: utc(now))(context)
+        cursor = context.cursor
+        assert cursor == utc(now).isoformat()  # the next tick counts from this one's time
+        return {r.partition_key: r.run_key for r in requests}
 
-
-def _six_passed_in(since: str) -> bool:
-    from croniter import croniter
-
-    return croniter("0 6 * * *", datetime.fromisoformat(since)).get_next(datetime) <= datetime.now(timezone.utc)
+    assert tick("2026-03-16T05:30") == {}  # the first tick only notes the time
+    assert tick("2026-03-16T05:59") == {}
+    assert tick("2026-03-16T06:30") == {"faq": "faq:cron:2026-03-16T06:00:00+00:00",
+                                        "samples": "samples:cron:2026-03-16T06:00:00+00:00"}
+    assert tick("2026-03-16T06:31") == {}  # each fire asks once
+    assert tick("2026-03-16T07:30") == {"samples": "samples:cron:2026-03-16T07:00:00+00:00"}
+    assert tick("2026-03-16T23:59") == {"samples": "samples:cron:2026-03-16T08:00:00+00:00"}  # the first missed
+    assert tick("2026-03-17T00:00:30") == {"samples": "samples:cron:2026-03-17T00:00:00+00:00"}  # past midnight
+    assert tick("2026-03-31T23:59") == {"faq": "faq:cron:2026-03-17T06:00:00+00:00",
+                                        "samples": "samples:cron:2026-03-17T01:00:00+00:00"}
+    assert tick("2026-04-01T06:00") == {"faq": "faq:cron:2026-04-01T06:00:00+00:00",  # into a new month
+                                        "samples": "samples:cron:2026-04-01T00:00:00+00:00"}
 
 
 TABLES = {  # content of every table an ingest writes, without ids and times that differ between databases
@@ -278,8 +317,8 @@ def test_declarations_cannot_widen_access_by_accident(settings, tmp_path):
     hr = {c["document"] for c in kb_json("search", "zebra salary reorg", "--group", "hr", "--k", "10")["chunks"]}
     assert "salaries.md" in hr and not any("reorg" in d for d in hr)  # the excluded drafts are not ingested
 
-    # Removed, then brought back by `kb ingest PATH` without its groups: refused, not public.
+    # Removed, then declared again by `kb ingest PATH` without saying who may read it: refused, not public.
     apply('[sources.other]\nlocation = "share/hr/drafts"\ngroups = ["hr"]\n')
     kb("source", "apply", str(config), "--prune")
     refused = kb("ingest", str(share / "hr"), "--source", "hr", expect=2).output
-    assert "was readable by groups hr before it was removed" in refused
+    assert "needs to say who may read it: add --group G (repeatable) or --public" in refused

@@ -1,5 +1,7 @@
 """Vector writes: the bulk writer is idempotent and atomic per batch; big loads build the HNSW index once, after."""
 
+import dataclasses
+
 import numpy as np
 import psycopg
 import pytest
@@ -80,7 +82,7 @@ def test_shards_starting_together_register_a_new_model_once(conn, settings):
 
     from pipelines.storage.database import connect
 
-    start = Barrier(8)
+    start = Barrier(8, timeout=60)
 
     def shard(_: int) -> str:
         with connect(settings) as own:
@@ -136,3 +138,66 @@ def test_each_shard_counts_the_vectors_it_reuses_in_its_own_shard_only(conn, emb
     assert embed_pending(conn, embedder).counts["computed"] > 0  # drafts stay until publish
     reused = [embed_pending(conn, embedder, shards=[shard]).counts["reused"] for shard in SHARDS]
     assert sum(reused) == drafts and max(reused) < drafts
+
+
+def _distinct_folder(path, documents: int):
+    path.mkdir()
+    for n in range(documents):
+        (path / f"note-{n:03d}.md").write_text(f"# Note {n}\n\nEntry {n}: the widget batch W-{n:04d} shipped to"
+                                                f" depot {n % 17} with {n * 3} crates.\n")
+    return path
+
+
+def test_a_load_into_a_serving_table_keeps_its_index_the_whole_time(conn, embedder, settings, tmp_path, monkeypatch):
+    """A source that more than doubles the model's table used to drop its HNSW index for the load: every search of
+    every source was an exact scan until the load ended (issue 27, item 12). The index now serves throughout; the
+    check runs at every batch of the load, from another connection (deterministic: a progress hook, not a timer)."""
+    from pipelines.ingest.report import NO_PROGRESS, Progress
+    from pipelines.storage.database import connect
+
+    monkeypatch.setattr(vector_store, "DEFER_INDEX_MIN_ROWS", 10)
+    add_source(conn, declare("small", _distinct_folder(tmp_path / "small", 12)), "tests")
+    ingest(conn, embedder, settings, ["small"])  # the first load into an empty table may build its index after
+    table = vector_store.table_name(embedder.model_key)
+    before = conn.execute(sql.SQL("SELECT count(*) FROM {}").format(sql.Identifier(table))).fetchone()[0]
+    seen = []
+
+    class Watch(Progress):
+        def advance(self, count: int = 1) -> None:
+            with connect(settings) as other:
+                seen.append(hnsw_index(other, table) is not None)
+
+    add_source(conn, declare("large", _distinct_folder(tmp_path / "large", 60)), "tests")
+    summary = ingest(conn, embedder, dataclasses.replace(settings, embed_batch_size=8), ["large"],
+                     progress=lambda stage: Watch() if stage == "embed" else NO_PROGRESS)
+    report = summary.stage("embed")
+    assert report.counts["computed"] >= 2 * before and report.counts["index_deferred"] == 0  # more than doubled
+    assert len(seen) >= 5 and all(seen), seen
+
+
+def test_a_backfill_shard_is_a_run_that_holds_the_locks_and_is_recorded(conn, embedder, settings):
+    """The model backfill embedded with no lock and no record (issue 27, item 14): its shards are now the embed
+    stage of runs over every source, under shared locks (side by side, never beside a refresh), on one row."""
+    from pipelines.ingest.flow import stage
+    from pipelines.ingest.run import IngestRun
+    from pipelines.storage.database import connect
+    from pipelines.storage.locks import LOCK_NAMESPACE
+
+    add_source(conn, declare("samples", SAMPLES_DIR / "docs"), "tests")
+    ingest(conn, embedder, settings, ["samples"])
+    with connect(settings) as refresh:
+        refresh.execute("SELECT pg_advisory_lock(%s, hashtext('samples'))", (LOCK_NAMESPACE,))  # a refresh runs
+        conn.execute("SET lock_timeout = '200ms'")
+        with pytest.raises(psycopg.errors.LockNotAvailable):
+            with IngestRun.open(conn, settings, embedder, started_by="dagster", external_run_id="bf", shard="3"):
+                pass
+        conn.execute("RESET lock_timeout")
+    assert conn.execute("SELECT count(*) FROM ingest_runs WHERE external_run_id = 'bf'").fetchone()[0] == 0
+    with connect(settings) as second, \
+            IngestRun.open(conn, settings, embedder, started_by="dagster", external_run_id="bf", shard="3") as one, \
+            IngestRun.open(second, settings, embedder, started_by="dagster", external_run_id="bf", shard="4") as two:
+        one.run_stage(stage("embed"))  # both shards hold the lock at once
+        two.run_stage(stage("embed"))
+    stages, counters = conn.execute("SELECT stages, counters FROM ingest_runs WHERE external_run_id = 'bf'").fetchone()
+    assert sorted(stages) == ["embed:3", "embed:4"] and counters["outcome"] == "succeeded"
+    assert counters["embeddings_computed"] == 0  # the serving model has every vector: nothing to embed, recorded

@@ -32,7 +32,8 @@ from pipelines.answers import evidence as ev
 from pipelines.answers.citations import validate_citations
 from pipelines.ingest.sentences import split_sentences
 from pipelines.models.chat import ChatNotConfigured, complete, openai_client
-from pipelines.retrieval.search import Filters, embed_query, visible_sources
+from pipelines.retrieval.readable import readable
+from pipelines.retrieval.search import Filters, embed_query
 from pipelines.settings import Settings
 
 NOT_FOUND = "not found in the documents"
@@ -93,8 +94,7 @@ def answer_question(conn: psycopg.Connection, settings: Settings, question: str,
     contexts = _contexts(conn, hits)
     if compress:
         contexts = _compressed(embedder, question_vector, contexts)
-    readable = visible_sources(conn, filters.groups, filters.source_id)
-    terms = ev.question_terms(conn, question, list(readable.values()))
+    terms = ev.question_terms(conn, question, readable(conn, filters.groups, filters.source_id, filters.as_of).keys)
     lexemes = _read_contexts(conn, contexts, terms)
     held = code_holders(contexts, query_class.identifiers, ev.question_codes(question))
     scope = [c for c in contexts if c.n <= EXTRACT_CONTEXTS or c.n in held]  # what may answer
@@ -294,7 +294,6 @@ def _verified(conn: psycopg.Connection, embedder, sentences: list[tuple[str, lis
     """Each sentence's citations checked against their chunks (pipelines/answers/citations.py). Kept: every citation VALID
     or WEAK. Removed: a sentence citing nothing, a context number that does not exist, or an INVALID chunk."""
     by_number = {c.n: c for c in contexts}
-    readable = list(visible_sources(conn, filters.groups, filters.source_id))
     claims, removed = [], []
     for text, numbers in sentences:
         unknown = [n for n in numbers if n not in by_number]
@@ -302,7 +301,8 @@ def _verified(conn: psycopg.Connection, embedder, sentences: list[tuple[str, lis
             removed.append({"text": text, "why": "cites no context" if not numbers else f"cites missing context {unknown}"})
         else:
             claims.append({"text": text, "citations": [by_number[n].chunk_id for n in dict.fromkeys(numbers)]})
-    verdicts = validate_citations(conn, embedder, claims, [c.chunk_id for c in contexts], readable,
+    verdicts = validate_citations(conn, embedder, claims, [c.chunk_id for c in contexts],
+                                  readable(conn, filters.groups, filters.source_id, filters.as_of),
                                   as_of=filters.as_of) if claims else []
     kept, at = [], 0
     for claim in claims:

@@ -18,6 +18,7 @@ import psycopg
 from psycopg import sql
 
 from pipelines.models.embedders import Embedder
+from pipelines.retrieval.readable import DOCUMENTS, Readable
 from pipelines.storage.vectors import vector_table
 
 VALID_SIMILARITY = 0.5
@@ -36,20 +37,20 @@ class Citation:
 
 
 def validate_citations(conn: psycopg.Connection, embedder: Embedder, claims: list[dict], retrieved: list[int],
-                       readable_sources: list[str], threshold: float = VALID_SIMILARITY,
+                       readable: Readable, threshold: float = VALID_SIMILARITY,
                        as_of: datetime | None = None) -> list[Citation]:
     """claims: [{"text": ..., "citations": [chunk_id, ...]}]; retrieved: the chunk ids the answer was given;
-    readable_sources: the sources the caller may read; as_of: the time the answer reads the knowledge base at
-    (cited chunks must have been valid then; None: live now)."""
+    readable: what the caller may read (pipelines/retrieval/readable.py); as_of: the time the answer reads the
+    knowledge base at (cited chunks must have been valid then; None: live now)."""
     cited = sorted({int(c) for claim in claims for c in claim.get("citations", [])})
     rows = conn.execute(sql.SQL("SELECT c.chunk_id, v.embedding FROM chunks c JOIN {} v USING (text_hash)"
                                 " JOIN documents d USING (document_id)"
-                                " WHERE c.chunk_id = ANY(%(cited)s) AND d.source_id = ANY(%(sources)s) AND CASE"
+                                " WHERE c.chunk_id = ANY(%(cited)s) AND {} AND CASE"
                                 "   WHEN %(as_of)s::timestamptz IS NULL THEN c.valid_to IS NULL"
                                 "   ELSE c.valid_from <= %(as_of)s AND (c.valid_to IS NULL OR c.valid_to > %(as_of)s)"
                                 " END")
-                        .format(vector_table(conn, embedder.model_key)),
-                        {"cited": cited, "sources": readable_sources, "as_of": as_of}).fetchall()
+                        .format(vector_table(conn, embedder.model_key), DOCUMENTS),
+                        {"cited": cited, **readable.params(), "as_of": as_of}).fetchall()
     vectors = {chunk_id: np.asarray(vector.to_numpy(), dtype=np.float32) for chunk_id, vector in rows}
     claim_vectors = embedder.embed([claim["text"] for claim in claims]) if claims else []
     allowed = set(retrieved)

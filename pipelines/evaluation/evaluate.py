@@ -172,9 +172,9 @@ class _CachedQueries:
 def classifier_kinds(conn: psycopg.Connection, queries: dict[str, str], source_id: str) -> dict[str, int]:
     """How the query classifier reads a query set (identifier / question / keywords), for the report."""
     from pipelines.retrieval.query_class import classify
-    from pipelines.retrieval.search import visible_sources
+    from pipelines.retrieval.readable import readable
 
-    source_keys = list(visible_sources(conn, [], source_id).values())
+    source_keys = readable(conn, [], source_id).keys
     counts: dict[str, int] = {}
     for text in queries.values():
         kind = classify(conn, text, source_keys).kind

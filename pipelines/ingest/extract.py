@@ -1,7 +1,8 @@
 """Extraction: walk each source, record every document's identity, size, mtime and content hash.
 
 A file whose size and mtime match the stored row is not read again (the cheap stat check); any other file
-is hashed. JSONL records are small and already structured, so extraction also stores their elements.
+is hashed. JSONL records are small and already structured, so extraction also stores their elements: those of new
+or changed records, and of every record whose elements another PARSER_VERSION made (pipelines/ingest/parse.py).
 
 Nothing stored is lost to a bad day. Every problem with one file or record is a failure of that document
 alone, recorded under its identity and cleared once it is fixed; a document that fails keeps its last good
@@ -13,6 +14,7 @@ confirmed with `allow_deletions`.
 
 from __future__ import annotations
 
+import errno
 import fnmatch
 import json
 import os
@@ -30,11 +32,14 @@ from pipelines.ingest.elements import Element, ParsedDocument, without_nul, writ
 from pipelines.ingest.failures import Failure, record_failure
 from pipelines.ingest.formats import UnsupportedFormat, format_of, supported
 from pipelines.ingest.hashing import hash_stream, hash_text
+from pipelines.ingest.parse import PARSER_VERSION
 from pipelines.ingest.report import NO_PROGRESS, Progress, StageReport
 from pipelines.settings import Limits
-from pipelines.sources.declarations import Source, load_sources
+from pipelines.sources.declarations import Source, add_coverage, load_sources, narrower
 from pipelines.sources.files import RootChanged, host, identity, open_below, open_root, walk_below
+from pipelines.sources.overlaps import below, place
 from pipelines.storage import bulk
+from pipelines.storage.locks import LOCK_NAMESPACE
 
 STAGE = "extract"
 
@@ -60,6 +65,8 @@ class Crawl:
     known_root: str | None = None  # the root's identity recorded on this host (None: not yet, or a new root accepted)
     root_identity: str | None = None  # what this crawl opened
     nested: frozenset[str] = frozenset()  # paths of other sources inside this one's folder: theirs, not crawled here
+    roots: dict[str, Source] = field(default_factory=dict)  # device:inode of other sources' roots -> the source
+    found: dict[str, Source] = field(default_factory=dict)  # folders the walk found to be another source's root
     seen: set[str] = field(default_factory=set)
     unseen: list[str] = field(default_factory=list)  # folder prefixes ("" = all) the crawl could not read
     blind: bool = False  # some record could not be identified: the crawl cannot tell what is missing
@@ -122,7 +129,8 @@ def walk_folder(crawl: Crawl, known: Known, progress: Progress = NO_PROGRESS) ->
         listed: list[str] = []
         for dirpath, dirnames, filenames, dir_fd in walk_below(root_fd, onerror=unreadable):
             dirnames[:] = sorted(d for d in dirnames if not d.startswith(".")
-                                 and os.path.normpath(os.path.join(dirpath, d)) not in crawl.nested)
+                                 and os.path.normpath(os.path.join(dirpath, d)) not in crawl.nested
+                                 and not _another_root(crawl, d, dir_fd, os.path.normpath(os.path.join(dirpath, d))))
             for name in sorted(f for f in filenames if not f.startswith(".")):
                 relpath = os.path.normpath(os.path.join(dirpath, name))
                 if relpath in crawl.nested or not _selected(relpath, source):
@@ -147,6 +155,19 @@ def walk_folder(crawl: Crawl, known: Known, progress: Progress = NO_PROGRESS) ->
                 crawl.fail(relpath, f"cannot read {root / relpath}: {reason}" if isinstance(exc, OSError)
                            else f"{root / relpath}: {reason}")
                 yield Found(relpath, "", 0, None, None, failed=True)
+
+
+def _another_root(crawl: Crawl, name: str, dir_fd: int, relpath: str) -> bool:
+    """Whether the folder `name` is another source's root, whatever path reaches it (a bind mount, a share mounted
+    inside this folder): compared by device and inode, it is that source's and this crawl leaves it alone."""
+    try:
+        st = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+    except OSError:
+        return False
+    owner = crawl.roots.get(f"{st.st_dev}:{st.st_ino}")
+    if owner is not None:
+        crawl.found[relpath] = owner
+    return owner is not None
 
 
 def _inspect_file(root_fd: int, root: Path, relpath: str, stored: tuple[int, datetime | None, str] | None,
@@ -318,17 +339,20 @@ def _known_documents(conn: psycopg.Connection, source_id: str) -> Known:
 
 
 MERGE_DOCUMENTS = """
-WITH merged AS (
-    INSERT INTO documents AS d (source_id, locator, doc_format, size_bytes, mtime, content_hash, title)
-    SELECT %(source_id)s, s.locator, s.doc_format, s.size_bytes, s.mtime, s.content_hash, s.title FROM kb_found s
-    ON CONFLICT (source_id, locator) DO UPDATE
-        SET doc_format = excluded.doc_format, size_bytes = excluded.size_bytes, mtime = excluded.mtime,
-            content_hash = excluded.content_hash, deleted_at = NULL
-        WHERE (d.doc_format, d.size_bytes, d.mtime, d.content_hash, d.deleted_at)
-              IS DISTINCT FROM (excluded.doc_format, excluded.size_bytes, excluded.mtime, excluded.content_hash, NULL)
-    RETURNING d.document_id, d.locator
-)
-SELECT document_id, locator FROM merged
+INSERT INTO documents AS d (source_id, locator, doc_format, size_bytes, mtime, content_hash, title)
+SELECT %(source_id)s, s.locator, s.doc_format, s.size_bytes, s.mtime, s.content_hash, s.title FROM kb_found s
+ON CONFLICT (source_id, locator) DO UPDATE
+    SET doc_format = excluded.doc_format, size_bytes = excluded.size_bytes, mtime = excluded.mtime,
+        content_hash = excluded.content_hash, deleted_at = NULL
+    WHERE (d.doc_format, d.size_bytes, d.mtime, d.content_hash, d.deleted_at)
+          IS DISTINCT FROM (excluded.doc_format, excluded.size_bytes, excluded.mtime, excluded.content_hash, NULL)
+"""
+
+# Records whose elements are not of their content, or not of this parser version (as parse.PENDING for files).
+STALE_RECORDS = """
+SELECT document_id, locator FROM documents
+WHERE source_id = %(source_id)s AND locator = ANY(%(locators)s)
+  AND (parsed_hash IS DISTINCT FROM content_hash OR parser_version IS DISTINCT FROM %(parser)s)
 """
 
 FOUND_COLUMNS = ("locator", "doc_format", "size_bytes", "mtime", "content_hash", "title")
@@ -339,16 +363,18 @@ def _merge(conn: psycopg.Connection, source_id: str, changed: list[Found]) -> No
     bulk.stage_rows(conn, "kb_found", FOUND_SHAPE, FOUND_COLUMNS, (
         (f.locator, f.doc_format, f.size, f.mtime, f.content_hash, (f.record or {}).get("title") or None)
         for f in changed))
-    rows = conn.execute(MERGE_DOCUMENTS, {"source_id": source_id}).fetchall()
-    by_locator = {f.locator: f for f in changed}
-    records = [(doc_id, by_locator[locator]) for doc_id, locator in rows if by_locator[locator].record is not None]
-    if records:
-        write_elements(conn, [(doc_id, f.content_hash, record_elements(f.record)) for doc_id, f in records])
+    conn.execute(MERGE_DOCUMENTS, {"source_id": source_id})
+    records = {f.locator: f for f in changed if f.record is not None}
+    stale = conn.execute(STALE_RECORDS, {"source_id": source_id, "locators": list(records),
+                                         "parser": PARSER_VERSION}).fetchall() if records else []
+    if stale:
+        write_elements(conn, [(doc_id, records[locator].content_hash, record_elements(records[locator].record))
+                              for doc_id, locator in stale], PARSER_VERSION)
 
 
 def _write_batch(conn: psycopg.Connection, crawl: Crawl, batch: list[Found], known: Known) -> None:
-    """Upsert a batch of found documents (and the elements of changed records). A document the database refuses
-    fails alone: the batch is retried one document at a time."""
+    """Upsert a batch of found documents (and the elements of new, changed or stale records). A document the
+    database refuses fails alone: the batch is retried one document at a time."""
     changed = [f for f in batch if not f.failed and f.content_hash is not None]
     try:
         with conn.transaction():
@@ -384,18 +410,71 @@ def _deletions(crawl: Crawl, known: Known, allow_deletions: bool) -> list[str]:
     return missing
 
 
+class InsideNarrower(OSError):
+    """The source's folder lies inside a source that fewer callers may read (a mount or link made after both were
+    declared): crawling it would serve that source's files to more callers."""
+
+
+def _neighbours(conn: psycopg.Connection, source: Source) -> tuple[dict[str, Source], dict[str, Source]]:
+    """(other sources inside this one's folder by their path there, their roots by device:inode), decided on what the
+    folders are at this crawl (pipelines/sources/overlaps.py): a link or a mount made since the declarations were
+    checked counts. A source whose folder lies inside one that fewer callers may read is not crawled."""
+    here, inside, roots = place(source.path), {}, {}
+    for other in load_sources(conn):
+        if other.source_id == source.source_id:
+            continue
+        there = place(other.path)
+        if there.holds(here) and not narrower(source, other):
+            add_coverage(conn, {(source.source_id, other.source_id, "")})  # its documents: not to more callers
+            raise InsideNarrower(errno.EACCES, f"its folder {source.path} lies inside {other.path}, the folder of"
+                                               f" source {other.source_id!r}, which only groups"
+                                               f" {', '.join(other.groups)} may read; it is not crawled while it would"
+                                               " serve those files to more callers (declare it inside with groups"
+                                               " among those, or move it out)")
+        if (folder := below(there, here)) is not None and folder:
+            inside[folder] = other
+        try:
+            st = os.stat(other.path)
+            roots[f"{st.st_dev}:{st.st_ino}"] = other
+        except OSError:
+            pass
+    return inside, roots
+
+
+def _hand_over(conn: psycopg.Connection, crawl: Crawl, folder: str, owner: Source, known: Known) -> None:
+    """A folder of this source that is another source's: what this source held there goes to the owner with its
+    history (sql/functions/sources.sql) when the owner's run is idle, else it is left alone this time (nothing there
+    is deleted); and while the owner is restricted, no caller outside its groups reads any version of it here."""
+    source = crawl.source
+    if owner.groups is not None:
+        add_coverage(conn, {(source.source_id, owner.source_id, folder)})
+    held = [locator for locator in known if locator == folder or locator.startswith(folder + "/")]
+    if not held:
+        return
+    if owner.kind == "folder" and conn.execute("SELECT pg_try_advisory_xact_lock(%s, hashtext(%s))",
+                                               (LOCK_NAMESPACE, owner.source_id)).fetchone()[0]:
+        conn.execute("SELECT kb_move_documents(%s, %s, %s)", (source.source_id, folder, owner.source_id))
+        for locator in held:
+            del known[locator]
+    else:
+        crawl.unseen.append(folder + "/")
+
+
 def crawl_source(conn: psycopg.Connection, source: Source, report: StageReport, limits: Limits,
                  allow_deletions: bool = False, batch_size: int = 500, progress: Progress = NO_PROGRESS,
                  accept_new_root: bool = False, skip_unsupported: bool = True) -> None:
-    """Crawl one source: upsert what changed, soft-delete what disappeared, all in one transaction. The root's
-    identity is recorded at the first crawl on this host and must match afterwards, unless a new root is accepted."""
+    """Crawl one source: upsert what changed and mark what disappeared, all in one transaction (the run's gated
+    publish deletes what vanished, with what it publishes). The root's identity is recorded at the first crawl on this
+    host and must match afterwards, unless a new root is accepted."""
     known_root = None if accept_new_root else conn.execute(
         "SELECT root_identities ->> %s FROM sources WHERE source_id = %s", (host(), source.source_id)).fetchone()[0]
-    nested = frozenset(other.path.relative_to(source.path).as_posix() for other in load_sources(conn)
-                       if other.source_id != source.source_id and other.path.is_relative_to(source.path))
-    crawl = Crawl(source, report, limits, known_root=known_root, nested=nested, skip_unsupported=skip_unsupported)
+    inside, roots = _neighbours(conn, source)
+    crawl = Crawl(source, report, limits, known_root=known_root, nested=frozenset(inside), roots=roots,
+                  skip_unsupported=skip_unsupported)
     with conn.transaction():
         known = _known_documents(conn, source.source_id)
+        for folder, owner in sorted(inside.items()):
+            _hand_over(conn, crawl, folder, owner, known)
         found = walk_folder(crawl, known, progress) if source.kind == "folder" else read_records(crawl, progress)
         batch: list[Found] = []
         for item in found:
@@ -408,13 +487,20 @@ def crawl_source(conn: psycopg.Connection, source: Source, report: StageReport, 
                 batch = []
         if batch:
             _write_batch(conn, crawl, batch, known)
+        for folder, owner in sorted(crawl.found.items()):
+            _hand_over(conn, crawl, folder, owner, known)
         gone = _deletions(crawl, known, allow_deletions)
-        # Only documents that were served count as deleted: a file that never published (it failed) and is now
-        # gone is forgotten, not reported as "new" in one run and "deleted" in the next.
-        report.counts["deleted"] += conn.execute(
-            "SELECT count(*) FROM documents WHERE source_id = %s AND deleted_at IS NULL AND locator = ANY(%s)"
-            " AND published_key IS NOT NULL", (source.source_id, gone)).fetchone()[0]
-        conn.execute("SELECT kb_soft_delete_documents(%s, %s)", (source.source_id, gone))
+        # What served is marked, not deleted: the run's gated publish deletes it in the transaction that publishes
+        # the rest. What never served (a file that failed) changes nothing that serves, and is forgotten now.
+        conn.execute("SELECT kb_soft_delete_documents(%s, ARRAY(SELECT d.locator FROM documents d"
+                     " WHERE d.source_id = %s AND d.locator = ANY(%s) AND d.deleted_at IS NULL AND NOT EXISTS"
+                     " (SELECT 1 FROM chunks c WHERE c.document_id = d.document_id AND c.valid_to IS NULL)))",
+                     (source.source_id, source.source_id, gone))
+        conn.execute("UPDATE documents SET vanished_at = CASE WHEN locator = ANY(%(gone)s) THEN now() END"
+                     " WHERE source_id = %(id)s AND deleted_at IS NULL"
+                     " AND (vanished_at IS NOT NULL OR locator = ANY(%(gone)s))",
+                     {"id": source.source_id, "gone": gone})
+        report.counts["vanished"] += len(gone)
         for failure in (f for f in report.failures if f.source_id == source.source_id):
             record_failure(conn, failure, None)
         # A crawl failure that did not happen again is fixed (a record's line repaired, a file removed).
@@ -430,11 +516,15 @@ def crawl_source(conn: psycopg.Connection, source: Source, report: StageReport, 
 def extract(conn: psycopg.Connection, sources: list[Source], limits: Limits = Limits(),
             allow_deletions: bool = False, progress: Progress = NO_PROGRESS,
             accept_new_root: bool = False, skip_unsupported: bool = True) -> StageReport:
-    report = StageReport(STAGE, ("seen", "new", "changed", "unchanged", "deleted", "skipped"))
+    report = StageReport(STAGE, ("seen", "new", "changed", "unchanged", "vanished", "skipped"))
     for source in sources:
         try:
             crawl_source(conn, source, report, limits, allow_deletions, progress=progress,
                          accept_new_root=accept_new_root, skip_unsupported=skip_unsupported)
+        except InsideNarrower as exc:  # nothing read, nothing deleted: the declarations must be put right
+            failure = Failure(source.source_id, str(source.path), STAGE, f"cannot crawl source: {exc.strerror}")
+            report.fail(failure)
+            record_failure(conn, failure, None)
         except RootChanged as exc:  # nothing changed, nothing deleted, until the operator confirms the new root
             failure = Failure(source.source_id, str(source.path), STAGE,
                               f"cannot crawl source: {exc.strerror}. If the folder really moved there, run `kb ingest"

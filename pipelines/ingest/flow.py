@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Callable
 
 from pipelines.ingest.chunker import CHUNKER_VERSION
 from pipelines.ingest.enrich import ENRICH_VERSION
+from pipelines.ingest.parse import PARSER_VERSION
 from pipelines.ingest.report import Progress, StageReport
 
 if TYPE_CHECKING:
@@ -69,20 +70,21 @@ def _embed(run: "IngestRun", progress: Progress) -> StageReport:
     from pipelines.ingest.embed import embed_on_dask, embed_pending
 
     configured, *others = run.models_in_use()
-    batch = run.settings.embed_batch_size
-    if run.workers.dask:
+    batch, shards = run.settings.embed_batch_size, [run.shard] if run.shard else None
+    if run.workers.dask and not shards:
         return embed_on_dask(run.conn, run.settings, [configured, *others], run.source_ids, run.workers.dask, batch,
                              progress)
-    report = embed_pending(run.conn, configured, run.source_ids, batch_size=batch, progress=progress)
+    report = embed_pending(run.conn, configured, run.source_ids, shards, batch_size=batch, progress=progress)
     for other in others:
-        embed_pending(run.conn, other, run.source_ids, batch_size=batch)
+        embed_pending(run.conn, other, run.source_ids, shards, batch_size=batch)
     return report
 
 
 def _publish(run: "IngestRun", progress: Progress) -> StageReport:
     from pipelines.ingest.publish import publish_ready
 
-    return publish_ready(run.conn, run.source_ids, batch_size=run.settings.batch_documents, progress=progress)
+    return publish_ready(run.conn, run.source_ids, batch_size=run.settings.batch_documents, progress=progress,
+                         model_keys=[model.model_key for model in run.models_in_use()])
 
 
 def _cards(run: "IngestRun", progress: Progress) -> StageReport:
@@ -99,9 +101,10 @@ FLOW: tuple[Stage, ...] = (
           "file", ("python", "postgres"), "ingestion",
           "SELECT count(*) FROM documents d WHERE d.source_id = %(id)s AND d.deleted_at IS NULL"),
     Stage("parse", "parsed_elements", "elements", _parse,
-          "Elements (category, page, section path) of every document whose bytes changed, parsed by unstructured.",
+          "Elements (category, page, section path) of every document whose bytes or parser version changed, parsed by"
+          " unstructured.",
           "doc", ("unstructured", "postgres"), "ingestion",
-          f"SELECT count(*) FROM elements e {_OF_SOURCE} AND d.deleted_at IS NULL"),
+          f"SELECT count(*) FROM elements e {_OF_SOURCE} AND d.deleted_at IS NULL", version=PARSER_VERSION),
     Stage("chunk", "chunk_drafts", "chunk_drafts", _chunk,
           "Heading-, sentence- and table-aware chunks of changed documents, sized to the embedding model's limit.",
           "doc", ("python", "postgres"), "ingestion",

@@ -15,11 +15,16 @@ reads fails, rather than losing its text past that point.
 
 A file that failed to parse is not parsed again while its bytes are unchanged: the failure is reported from the
 record (`failures`), until the file changes or the run is asked to retry (`kb ingest --retry-failed`).
+
+Stored elements carry the PARSER_VERSION that made them (documents.parser_version). A new version (kb's parse recipe
+bumped, or another unstructured installed) makes every document's elements stale, as CHUNKER_VERSION does its
+chunks: the next refresh parses each file again from its unchanged bytes (JSONL records are rebuilt at extract), and
+a document whose new elements equal the stored ones only has its version updated (pipelines/ingest/elements.py).
 """
 
 from __future__ import annotations
 
-import importlib
+import importlib.metadata
 import io
 import os
 import re
@@ -39,13 +44,19 @@ from pipelines.ingest.failures import Failure, clear_failures, record_failure
 from pipelines.ingest.file_metadata import file_metadata
 from pipelines.ingest.report import NO_PROGRESS, Progress, StageReport
 from pipelines.ingest.sentences import import_spacy
-from pipelines.ingest.workers import Lost, Workers, spread_map
+from pipelines.ingest.workers import Lost, Workers, spread_map, where
 from pipelines.settings import Limits
 from pipelines.ingest.hashing import hash_bytes
 from pipelines.sources.declarations import resolve_declared
 from pipelines.sources.files import NotARegularFile, OutsideSource, host, read_below
 
 STAGE = "parse"
+# kb's own recipe: bump it when what kb makes of the same bytes changes (this module's elements, titles or metadata,
+# file_metadata.py, or extract.record_elements for JSONL records), so that stored elements are made again.
+PARSE_RECIPE = "parse-2"  # 2: text formats decoded by kb (pipelines/ingest/decoding.py); markup cut short fails
+# What made a document's elements: the recipe and the installed unstructured, read from its metadata without
+# importing it. Stored with the elements; the parsed_elements asset's code version (pipelines/ingest/flow.py).
+PARSER_VERSION = f"{PARSE_RECIPE}+unstructured-{importlib.metadata.version('unstructured')}"
 # Page furniture and empty shells carry no retrievable text.
 SKIPPED_CATEGORIES = {"PageBreak", "Image", "Header", "Footer", "PageNumber", "Formula"}
 ZIP_FORMATS = {"docx", "pptx", "xlsx"}  # Office Open XML: a zip archive a small file can expand from
@@ -211,7 +222,8 @@ def parse_bytes(data: bytes, name: str, doc_format: str, limits: Limits = Limits
     return ParsedDocument(elements, title, metadata)
 
 
-# Documents whose bytes changed since they were last parsed, with the failure recorded for these very bytes, if any.
+# Documents whose bytes changed since they were last parsed, or that another parser version parsed, with the failure
+# recorded for these very bytes, if any.
 PENDING = """
 SELECT d.document_id, d.locator, d.doc_format, d.content_hash, s.location, s.source_id, s.allow_outside_links,
        s.declared_in, s.root_identities ->> %(host)s, f.reason, f.recorded_at
@@ -219,7 +231,7 @@ FROM documents d JOIN sources s USING (source_id)
 LEFT JOIN failures f ON f.source_id = d.source_id AND f.locator = d.locator AND f.stage = 'parse'
                     AND f.content_hash = d.content_hash
 WHERE d.deleted_at IS NULL AND d.doc_format <> 'record'
-  AND d.parsed_hash IS DISTINCT FROM d.content_hash
+  AND (d.parsed_hash IS DISTINCT FROM d.content_hash OR d.parser_version IS DISTINCT FROM %(parser)s)
   AND (%(ids)s::text[] IS NULL OR d.source_id = ANY(%(ids)s))
 ORDER BY d.document_id
 """
@@ -232,8 +244,13 @@ def warm_worker() -> None:
 
 
 def _parse_task(task: tuple) -> ParsedDocument | str:
-    """A worker's unit of work: the parsed document, or the reason it failed (exceptions stay in the worker)."""
-    data, locator, doc_format, limits = task
+    """A worker's unit of work: the parsed document, or the reason it failed (exceptions stay in the worker). A
+    worker whose parser is not the run's (a dask worker with another unstructured or kb) parses nothing: the run
+    would store its elements under a version that is not theirs."""
+    data, locator, doc_format, limits, parser_version = task
+    if parser_version != PARSER_VERSION:
+        return (f"worker {where()} parses with {PARSER_VERSION} and this run with {parser_version}: install the same"
+                " kb and unstructured on every worker, then `kb ingest --retry-failed`")
     try:
         return parse_bytes(data, Path(locator).name, doc_format, limits)
     except (ParseError, ValueError) as exc:
@@ -257,16 +274,17 @@ def _read(root: str, known_root: str | None, locator: str, allow_outside_links: 
 def parse_pending(conn: psycopg.Connection, source_ids: list[str] | None = None, batch_size: int = 16,
                   progress: Progress = NO_PROGRESS, workers: Workers | int = 1, limits: Limits = Limits(),
                   retry_failed: bool = False) -> StageReport:
-    """Parse every document whose bytes changed since they were last parsed, by `workers` (local processes, or a
-    dask cluster's workers), stored a batch per transaction as they finish while the workers go on; the report's
-    notes count the documents each worker parsed.
+    """Parse every document whose bytes changed since they were last parsed, or whose elements another parser
+    version made (PARSER_VERSION), by `workers` (local processes, or a dask cluster's workers), stored a batch per
+    transaction as they finish while the workers go on; the report's notes count the documents each worker parsed.
     A document whose same bytes failed before is reported again from its record and not parsed (a zip bomb or a
     parser-hanging file costs nothing on later runs), unless `retry_failed`."""
-    report = StageReport(STAGE, ("parsed", "elements", "failed_before"))
+    report = StageReport(STAGE, ("parsed", "same_elements", "elements", "failed_before"))
     workers = workers if isinstance(workers, Workers) else Workers(workers)
     pending = []
+    params = {"ids": source_ids, "host": host(), "parser": PARSER_VERSION}
     for (doc_id, locator, doc_format, content_hash, location, source_id, allow, declared_in, known_root,
-         reason, failed_at) in conn.execute(PENDING, {"ids": source_ids, "host": host()}).fetchall():
+         reason, failed_at) in conn.execute(PENDING, params).fetchall():
         if reason is not None and not retry_failed:
             report.counts["failed_before"] += 1
             report.fail(Failure(source_id, locator, STAGE, f"{reason} (unchanged since it failed on"
@@ -295,7 +313,7 @@ def parse_pending(conn: psycopg.Connection, source_ids: list[str] | None = None,
                     store()
                 continue
             sent[next(position)] = (doc_id, locator, content_hash, root, source_id)
-            yield f"parse {source_id}:{locator}", (data, locator, doc_format, limits)
+            yield f"parse {source_id}:{locator}", (data, locator, doc_format, limits, PARSER_VERSION)
 
     def store() -> None:
         failed.extend(_store(conn, parsed, report))
@@ -330,7 +348,9 @@ def _store(conn: psycopg.Connection, parsed: list[tuple], report: StageReport) -
     it cannot hold) fails alone: the batch is retried one document at a time. Returns those failures."""
     def write(documents: list[tuple]) -> None:
         with conn.transaction():
-            report.counts["elements"] += write_elements(conn, [(doc_id, h, doc) for doc_id, h, doc, _, _ in documents])
+            written = write_elements(conn, [(doc_id, h, doc) for doc_id, h, doc, _, _ in documents], PARSER_VERSION)
+            report.counts["elements"] += written.elements
+            report.counts["same_elements"] += written.same
             for source_id in {d[3] for d in documents}:
                 clear_failures(conn, source_id, [d[4] for d in documents if d[3] == source_id], STAGE)
         report.counts["parsed"] += len(documents)

@@ -123,10 +123,36 @@ def publish_batch(conn: psycopg.Connection, batch: list[tuple[int, str]], report
     report.counts["chunks_kept"] += sum(len(drafts_by_doc[d]) for d in ids) - len(inserts)
 
 
+# Documents the last crawl found gone (extract marks them, sql/015): deleted here, in the gated transaction that
+# publishes the rest of the refresh, so that a renamed file is never missing from search in between and a refresh
+# that only deletes passes the golden-set gate like any other. Only documents that served (live chunks) count as
+# deleted (extract already forgot those that never did).
+VANISHED = """
+SELECT d.source_id, array_agg(d.locator ORDER BY d.locator),
+       count(*) FILTER (WHERE EXISTS (SELECT 1 FROM chunks c WHERE c.document_id = d.document_id AND c.valid_to IS NULL))
+FROM documents d
+WHERE d.vanished_at IS NOT NULL AND d.deleted_at IS NULL AND (%(ids)s::text[] IS NULL OR d.source_id = ANY(%(ids)s))
+GROUP BY d.source_id ORDER BY d.source_id
+"""
+
+
+def delete_vanished(conn: psycopg.Connection, source_ids: list[str] | None, report: StageReport) -> None:
+    for source_id, locators, served in conn.execute(VANISHED, {"ids": source_ids}).fetchall():
+        conn.execute("SELECT kb_soft_delete_documents(%s, %s)", (source_id, locators))
+        conn.execute("UPDATE documents SET vanished_at = NULL WHERE source_id = %s AND locator = ANY(%s)",
+                     (source_id, locators))
+        report.counts["deleted"] += served
+
+
 def publish_ready(conn: psycopg.Connection, source_ids: list[str] | None = None, batch_size: int = 64,
-                  progress: Progress = NO_PROGRESS) -> StageReport:
-    report = StageReport("publish", ("documents", "chunks_inserted", "chunks_updated", "chunks_closed", "chunks_kept"))
-    tables = model_tables(conn).values()
+                  progress: Progress = NO_PROGRESS, model_keys: list[str] | None = None) -> StageReport:
+    """Delete what the crawl found gone, then publish the documents whose drafts have vectors in every model of
+    `model_keys` (the run's: the configured and the serving model; default every registered one). The run calls it
+    inside one transaction with the golden-set gate (pipelines/ingest/run.py)."""
+    report = StageReport("publish", ("documents", "deleted", "chunks_inserted", "chunks_updated", "chunks_closed",
+                                     "chunks_kept"))
+    delete_vanished(conn, source_ids, report)
+    tables = [table for key, table in model_tables(conn).items() if model_keys is None or key in model_keys]
     if not tables:
         raise LookupError("no embedding model registered: run the embed stage first")
     missing = sql.SQL(" OR ").join(

@@ -39,6 +39,20 @@ class StageReport:
                 "skipped": [asdict(f) for f in self.skipped], "notes": self.notes}
 
     @classmethod
+    def merged(cls, stage: str, reports: list["StageReport"]) -> "StageReport":
+        """One report of a stage run in parts (a backfill's shards): counts, failures and time summed."""
+        if len(reports) == 1:
+            return reports[0]
+        whole = cls(stage)
+        for part in reports:
+            whole.counts.update(part.counts)
+            whole.failures += part.failures
+            whole.skipped += part.skipped
+            whole.elapsed_s += part.elapsed_s
+            whole.notes.update(part.notes)
+        return whole
+
+    @classmethod
     def from_dict(cls, stage: str, data: dict) -> "StageReport":
         report = cls(stage)
         report.counts = Counter(data["counts"])

@@ -27,15 +27,16 @@ from pipelines.ingest.report import NO_PROGRESS, Progress, StageReport
 from pipelines.ingest.workers import Workers
 from pipelines.models.embedders import Embedder, embedder_for
 from pipelines.settings import Settings
-from pipelines.sources.declarations import load_sources
+from pipelines.sources.declarations import changed_since_applied, load_sources
 from pipelines.storage.locks import source_locks
-from pipelines.storage.vectors import model_tables
+from pipelines.storage.vectors import active_model
 
 # progress(stage) -> what that stage reports to while it runs (pipelines/ingest/report.Progress)
 ProgressFactory = Callable[[str], Progress]
 
 EXIT_FILE_FAILURES = 3  # documented in README: the run finished, but some files failed
 EXIT_GATE_FAILED = 4  # the golden-set gate stopped the refresh: nothing of it was published
+SHARD_MARK = ":"  # a stage's report of one shard is recorded as "embed:3"
 
 
 @dataclass
@@ -60,7 +61,7 @@ class IngestSummary:
             "documents_new": ex.get("new", 0),
             "documents_changed": ex.get("changed", 0),
             "documents_unchanged": ex.get("unchanged", 0),
-            "documents_deleted": ex.get("deleted", 0),
+            "documents_deleted": pu.get("deleted", 0),
             "documents_skipped": ex.get("skipped", 0),
             "documents_failed": len({(f.source_id, f.locator) for f in self.failures}),
             "documents_published": pu.get("documents", 0),
@@ -98,23 +99,28 @@ class IngestRun:
     """One run of the flow over some sources, recorded in `ingest_runs`. Open it with `IngestRun.open`."""
 
     def __init__(self, conn: psycopg.Connection, settings: Settings, embedder: Embedder, source_ids: list[str],
-                 run_id: int, progress: ProgressFactory, confirmed: "Confirmations", workers: Workers):
+                 run_id: int, progress: ProgressFactory, confirmed: "Confirmations", workers: Workers,
+                 shard: str | None = None):
         self.conn, self.settings, self.embedder = conn, settings, embedder
         self.source_ids, self.run_id, self.progress = source_ids, run_id, progress
-        self.confirmed, self.workers = confirmed, workers
+        self.confirmed, self.workers, self.shard = confirmed, workers, shard
+        # What whoever started the run should know before reading its outcome (a kb.toml edited but not applied).
+        self.warnings = changed_since_applied(conn, source_ids)
 
     @classmethod
     @contextmanager
     def open(cls, conn: psycopg.Connection, settings: Settings, embedder: Embedder,
              source_ids: list[str] | None = None, *, started_by: str = "cli", external_run_id: str | None = None,
              progress: ProgressFactory = _no_progress, confirmed: "Confirmations | None" = None,
-             workers: Workers | None = None) -> Iterator["IngestRun"]:
+             workers: Workers | None = None, shard: str | None = None) -> Iterator["IngestRun"]:
         """A run over these sources (every declared source when None), holding their locks until it has finished.
         A run of an orchestrator (one Dagster run id) is one row, however many times it is opened. `workers` parse
         the documents (default: KB_PARSE_WORKERS local processes); the run's own process keeps the lock and stores
-        what they return."""
+        what they return. `shard` (a hex digit) narrows the run to the texts whose hash starts with it: a model
+        backfill is such runs, one per shard, side by side under shared locks (they only add vectors), recorded on
+        one row with a report per shard."""
         ids = sorted(source_ids or [s.source_id for s in load_sources(conn)])
-        with source_locks(conn, ids):
+        with source_locks(conn, ids, shared=shard is not None):
             run_id = conn.execute(
                 "INSERT INTO ingest_runs (sources, started_by, external_run_id) VALUES (%s, %s, %s)"
                 " ON CONFLICT (external_run_id) DO UPDATE SET sources = ("
@@ -122,7 +128,7 @@ class IngestRun:
                 "   finished_at = NULL"
                 " RETURNING run_id", (ids, started_by, external_run_id)).fetchone()[0]
             run = cls(conn, settings, embedder, ids, run_id, progress, confirmed or Confirmations(),
-                      workers or Workers(settings.parse_workers))
+                      workers or Workers(settings.parse_workers), shard)
             try:
                 yield run
             except BaseException as exc:
@@ -159,25 +165,32 @@ class IngestRun:
     def _gate(self, report: StageReport) -> None:
         """The golden sets of the run's sources, checked on what the stage just published (inside its transaction:
         search here sees the new version, readers elsewhere the old one)."""
-        if not report.counts["documents"]:
-            return  # nothing was published: what serves has not changed
+        if not report.counts["documents"] and not report.counts["deleted"]:
+            return  # nothing was published or deleted: what serves has not changed
         gate = golden_gate(self.conn, self.settings, self.source_ids)
         report.notes["gate"] = gate
         if gate["applicable"] and not gate["passed"]:
             raise GateFailed(gate)
 
     def _record(self, stage: str, report: StageReport) -> None:
+        key = f"{stage}{SHARD_MARK}{self.shard}" if self.shard else stage
         self.conn.execute("UPDATE ingest_runs SET stages = stages || jsonb_build_object(%s::text, %s::jsonb)"
-                          " WHERE run_id = %s", (stage, Jsonb(report.as_dict()), self.run_id))
+                          " WHERE run_id = %s", (key, Jsonb(report.as_dict()), self.run_id))
 
     def summary(self) -> IngestSummary:
+        """The run's stages as recorded; a stage run in shards (a backfill) counts as one, its shards summed."""
         stored = self.conn.execute("SELECT stages FROM ingest_runs WHERE run_id = %s", (self.run_id,)).fetchone()[0]
-        return IngestSummary([StageReport.from_dict(name, stored[name]) for name in STAGE_NAMES if name in stored])
+        return IngestSummary([StageReport.merged(name, [StageReport.from_dict(name, data) for key, data in
+                                                        sorted(stored.items()) if key.split(SHARD_MARK)[0] == name])
+                              for name in STAGE_NAMES if any(key.split(SHARD_MARK)[0] == name for key in stored)])
 
     def models_in_use(self) -> list[Embedder]:
-        """The configured model first, then every other model with vectors (the serving one during a switch)."""
-        return [self.embedder] + [embedder_for(key, self.settings) for key in model_tables(self.conn)
-                                  if key != self.embedder.model_key]
+        """The configured model first, then the serving one when it is another (during a switch). A model being
+        built that is neither (left by a configuration one run or shell once had) is not embedded by refreshes:
+        its backfill fills it when an operator builds it, and it can never make a plain refresh fail."""
+        serving = active_model(self.conn)
+        return [self.embedder] + ([embedder_for(serving, self.settings)]
+                                  if serving not in (None, self.embedder.model_key) else [])
 
     def _finish(self, outcome: str) -> None:
         """Record the counters of what ran. No model switch here: what one run embedded (an endpoint that answered

@@ -105,13 +105,12 @@ class OnnxEmbedder:
     def _session(self):
         import onnxruntime
 
-        from pipelines.models.onnx_model import int8_model
+        from pipelines.models.onnx_model import int8_session
 
         options = onnxruntime.SessionOptions()
         options.log_severity_level = 3
         options.intra_op_num_threads = 1  # texts run in parallel instead (a session runs concurrently)
-        return onnxruntime.InferenceSession(str(int8_model(self.cache_dir)), options,
-                                            providers=["CPUExecutionProvider"])
+        return int8_session(self.cache_dir, options)
 
     def token_ids(self, texts: list[str]) -> list[list[int]]:
         """The word pieces the model reads for each text (cut at `max_sequence`)."""
@@ -146,12 +145,11 @@ class BatchedOnnxEmbedder(OnnxEmbedder):
     def _session(self):
         import onnxruntime
 
-        from pipelines.models.onnx_model import int8_model
+        from pipelines.models.onnx_model import int8_session
 
         options = onnxruntime.SessionOptions()
         options.log_severity_level = 3
-        return onnxruntime.InferenceSession(str(int8_model(self.cache_dir)), options,
-                                            providers=["CPUExecutionProvider"])
+        return int8_session(self.cache_dir, options)
 
     def embed(self, texts: list[str]) -> np.ndarray:
         ids = self.token_ids(texts)

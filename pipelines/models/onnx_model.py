@@ -24,6 +24,7 @@ from pathlib import Path
 
 from pipelines.ingest.hashing import hash_file, hash_text
 from pipelines.models.tokens import local_model_dir
+from pipelines.storage.state import replace_durably
 
 log = logging.getLogger(__name__)
 
@@ -46,7 +47,8 @@ def int8_model(cache_dir: Path) -> Path:
     """Path of the cached int8 graph, exporting it first if this cache does not hold it yet.
 
     Concurrent callers (Dagster's multiprocess executor) may export at the same time; each writes its own
-    temporary file and renames it into place atomically, and the bytes are identical, so the race is harmless.
+    temporary file and renames it into place atomically once it is on disk, and the bytes are identical, so the
+    race is harmless.
     """
     target = cache_dir / _cache_name()
     if target.exists():
@@ -58,8 +60,25 @@ def int8_model(cache_dir: Path) -> Path:
         int8 = Path(scratch) / "int8.onnx"
         _export_fp32(fp32)
         _quantize(fp32, int8)
-        os.replace(int8, target)
+        replace_durably(int8, target)
     return target
+
+
+def int8_session(cache_dir: Path, options):
+    """An onnxruntime session on the cached int8 graph. A cached file that does not load (cut short by a full disk
+    or a crash, or copied in damaged) is exported again, and said in one line, instead of failing every embed."""
+    import onnxruntime
+
+    def load(path: Path):
+        return onnxruntime.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+
+    cached = int8_model(cache_dir)
+    try:
+        return load(cached)
+    except Exception as exc:  # noqa: BLE001 - onnxruntime reports a bad file as Fail, InvalidProtobuf, InvalidGraph...
+        log.warning("%s is damaged (%s); exporting it again", cached, " ".join(str(exc).split())[:200])
+        cached.unlink(missing_ok=True)
+        return load(int8_model(cache_dir))
 
 
 def _export_fp32(path: Path) -> None:

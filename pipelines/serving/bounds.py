@@ -5,6 +5,9 @@ without limit or starve other callers (issue 18).
   with one line naming the field and the limit. The limits sit far above what a real client sends.
 - Time: every database statement a request runs is cut at the budget (PostgreSQL statement_timeout, set on
   each connection) and the request is answered 503; CPU work (embedding claims) is bounded by the size limits.
+- Failure: a request whose database connection is lost (the server killed or restarted) is a 503 "database
+  unavailable, retry", never a 500 with the driver's error; the lane's `recover` runs first (the API brings back
+  the embedded server it uses and drops dead pooled connections), so that a retry succeeds.
 - Isolation: each endpoint class runs in its own lane (slots, threads and a connection pool of its own), so a
   flood of citation checks fills the citations lane only; search, answers and /health keep theirs. A request
   that cannot get a slot within `wait_s` is a 503 "busy, retry", never a 30 s hang.
@@ -12,6 +15,7 @@ without limit or starve other callers (issue 18).
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
@@ -38,6 +42,8 @@ MAX_GROUPS = 100
 MAX_NAME_CHARS = 200  # a source id or a group name
 
 T = TypeVar("T")
+log = logging.getLogger(__name__)
+UNAVAILABLE = "database unavailable, retry"
 
 
 @dataclass(frozen=True)
@@ -62,8 +68,9 @@ class Lane:
     so the default thread pool and the other lanes' connections are never what a flood of this class waits on."""
 
     def __init__(self, name: str, size: int, wait_s: float,
-                 connection: Callable[[], AbstractContextManager[psycopg.Connection]] | None = None):
-        self.name, self.size, self.wait_s, self.connection = name, size, wait_s, connection
+                 connection: Callable[[], AbstractContextManager[psycopg.Connection]] | None = None,
+                 recover: Callable[[], None] = lambda: None):
+        self.name, self.size, self.wait_s, self.connection, self.recover = name, size, wait_s, connection, recover
         self._slots = anyio.Semaphore(size)  # created inside the event loop (the app's lifespan)
         self._threads = anyio.CapacityLimiter(size)
 
@@ -80,20 +87,23 @@ class Lane:
             self._slots.release()
 
     async def run(self, work: Callable[[psycopg.Connection], T]) -> T:
-        """work(conn) with one of the lane's pooled connections; a statement over the budget is a 503."""
+        """work(conn) with one of the lane's pooled connections; a statement over the budget is a 503, and so is a
+        lost database (its server killed or restarted: `recover` is called first, so that a retry can succeed)."""
         assert self.connection is not None
 
         def with_connection() -> T:
-            from psycopg_pool import PoolTimeout
-
             try:
                 with self.connection() as conn:
                     return work(conn)
-            except PoolTimeout:
-                raise busy(self.name, self.size) from None
             except psycopg.errors.QueryCanceled:
                 raise HTTPException(status_code=503, headers={"Retry-After": "1"},
                                     detail="the request ran past its time budget; retry, or ask for less") from None
+            except psycopg.OperationalError as exc:
+                # PoolTimeout included: a lane has as many connections as slots, so a request that holds a slot
+                # waits for a connection only when none can be made.
+                log.warning("%s: lost the database: %s", self.name, " ".join(str(exc).split()))
+                self.recover()
+                raise HTTPException(status_code=503, headers={"Retry-After": "1"}, detail=UNAVAILABLE) from None
 
         return await self.call(with_connection)
 

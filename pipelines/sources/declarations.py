@@ -21,6 +21,10 @@ import psycopg
 from psycopg.rows import dict_row
 from psycopg.types.json import Jsonb
 
+from pipelines.ingest.hashing import hash_text
+from pipelines.sources.overlaps import below, coverage, place
+from pipelines.storage.locks import LOCK_NAMESPACE
+
 NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$")
 GROUP = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:@-]{0,62}$")
 
@@ -192,11 +196,6 @@ def actor(entry: str) -> str:
     return f"{user}@{socket.gethostname()} ({entry})"
 
 
-def _removed(conn: psycopg.Connection, source_id: str) -> Source | None:
-    row = conn.execute(SELECT + " WHERE source_id = %s AND removed_at IS NOT NULL", (source_id,)).fetchone()
-    return _from_row(row) if row else None
-
-
 def get_source(conn: psycopg.Connection, source_id: str) -> Source | None:
     row = conn.execute(SELECT + " WHERE source_id = %s AND removed_at IS NULL", (source_id,)).fetchone()
     return _from_row(row) if row else None
@@ -228,11 +227,11 @@ def _write(conn: psycopg.Connection, source: Source) -> None:
         list(values.values()))
 
 
-def _locked(conn: psycopg.Connection, source_id: str) -> tuple[Source | None, bool]:
-    """(the stored declaration, whether it is removed), holding the row until the transaction ends."""
-    row = conn.execute(f"SELECT removed_at IS NOT NULL, {', '.join(COLUMNS.values())} FROM sources"
-                       " WHERE source_id = %s FOR UPDATE", (source_id,)).fetchone()
-    return (_from_row(row[1:]), row[0]) if row else (None, False)
+def _locked(conn: psycopg.Connection, source_id: str) -> Source | None:
+    """The declared source of that name, holding its row until the transaction ends. (A removed source's row is
+    renamed away, `remove_source`: its name belongs to no one.)"""
+    row = conn.execute(SELECT + " WHERE source_id = %s AND removed_at IS NULL FOR UPDATE", (source_id,)).fetchone()
+    return _from_row(row) if row else None
 
 
 def differences(old: Source, new: Source) -> list[str]:
@@ -240,37 +239,93 @@ def differences(old: Source, new: Source) -> list[str]:
     return [name for name in before if before[name] != after[name]]
 
 
+def narrower(inner: Source, outer: Source) -> bool:
+    """Whether every caller who may read `inner` may read `outer`: what a source inside another's folder must be."""
+    return outer.groups is None or (inner.groups is not None and set(inner.groups) <= set(outer.groups))
+
+
 def check_overlaps(conn: psycopg.Connection, source: Source) -> None:
     """Two sources on one folder are refused. A source inside another's folder is allowed only when it is readable by
     no more callers than the outer one: its files are then crawled by it alone (the outer source skips its folder),
-    so the narrowest declaration wins and no declaration widens what another one restricts."""
+    so the narrowest declaration wins and no declaration widens what another one restricts. Folders are compared as
+    what they are (device, mount and real path: pipelines/sources/overlaps.py), so a link or a bind mount is no way
+    around this."""
+    here = place(source.path)
     for other in load_sources(conn):
         if other.source_id == source.source_id:
             continue
-        if other.path == source.path:
-            raise DeclarationError(f"{source.path} is already the location of source {other.source_id!r}: one folder is"
-                                   " one source (a second name would serve its files under other groups)")
-        if source.path.is_relative_to(other.path):
+        there = place(other.path)
+        if here.holds(there) and there.holds(here):
+            raise DeclarationError(f"{source.path} is the folder of source {other.source_id!r} ({other.path}): one folder"
+                                   " is one source (a second name would serve its files under other groups)")
+        if there.holds(here):
             outer, inner = other, source
-        elif other.path.is_relative_to(source.path):
+        elif here.holds(there):
             outer, inner = source, other
         else:
             continue
-        if outer.groups is not None and not (inner.groups is not None and set(inner.groups) <= set(outer.groups)):
+        if not narrower(inner, outer):
             raise DeclarationError(
-                f"source {inner.source_id!r} lies inside {outer.source_id!r}, which only groups"
-                f" {', '.join(outer.groups)} may read; a source inside it may not be readable by more: give it groups"
-                f" among those")
+                f"source {inner.source_id!r} ({inner.path}) lies inside {outer.source_id!r} ({outer.path}), which only"
+                f" groups {', '.join(outer.groups)} may read; a source inside it may not be readable by more: give it"
+                " groups among those")
+
+
+def _claim_documents(conn: psycopg.Connection, source: Source) -> dict[str, int]:
+    """Declaring a source inside another one's folder moves the documents the outer source holds there, with their
+    history, to it: a file belongs to one source, and who may read any version of it is decided by the declaration
+    that covers it today (sql/functions/sources.sql). Both sources' runs must be idle. Returns {outer: moved}."""
+    here, moved = place(source.path), {}
+    if source.kind != "folder":  # a JSONL source's records are not the outer source's file; coverage hides that file
+        return moved
+    for outer in load_sources(conn):
+        if outer.source_id == source.source_id or outer.kind != "folder":
+            continue
+        folder = below(here, place(outer.path))
+        if not folder:  # not inside (or the same folder, refused above)
+            continue
+        for source_id in sorted({outer.source_id, source.source_id}):
+            if not conn.execute("SELECT pg_try_advisory_xact_lock(%s, hashtext(%s))",
+                                (LOCK_NAMESPACE, source_id)).fetchone()[0]:
+                raise DeclarationError(f"source {source_id!r} is being refreshed right now; declare {source.source_id!r}"
+                                       " again once that run has finished (`kb status` shows the last run)")
+        moved[outer.source_id] = conn.execute("SELECT kb_move_documents(%s, %s, %s)",
+                                              (outer.source_id, folder, source.source_id)).fetchone()[0]
+    return moved
+
+
+def refresh_coverage(conn: psycopg.Connection, changed: set[str] = frozenset()) -> None:
+    """Keep source_coverage (sql/015) in step with the declarations: every restricted, declared source covers what
+    other sources (declared or removed) hold in its folder. Rows of the `changed` sources, and of sources no longer
+    declared restricted, are recomputed; the others stay, so a cover found by a crawl's walk (a mount inside a
+    folder) is not forgotten by a declaration made on a host that does not see that mount."""
+    rows = conn.execute("SELECT source_id, kind, location, declared_in, removed_at IS NULL AND allowed_groups IS NOT NULL"
+                        " FROM sources").fetchall()
+    places = {source_id: place(resolve_declared(location, declared_in)) for source_id, _, location, declared_in, _ in rows}
+    restricted = [r[0] for r in rows if r[4]]
+    conn.execute("DELETE FROM source_coverage WHERE source_id = ANY(%(changed)s) OR covered_by = ANY(%(changed)s)"
+                 " OR covered_by <> ALL(%(restricted)s)", {"changed": sorted(changed), "restricted": restricted})
+    covered = coverage(places, restricted, [r[0] for r in rows if r[1] == "folder"])
+    if covered:
+        add_coverage(conn, covered)
+
+
+def add_coverage(conn: psycopg.Connection, rows) -> None:
+    conn.execute("INSERT INTO source_coverage (source_id, covered_by, prefix)"
+                 " SELECT * FROM unnest(%s::text[], %s::text[], %s::text[]) ON CONFLICT DO NOTHING",
+                 [list(column) for column in zip(*sorted(rows))])
 
 
 def add_source(conn: psycopg.Connection, source: Source, who: str) -> bool:
-    """Declare a new source (or re-declare a removed one). Declaring an existing source again is a no-op when
-    nothing differs and an error otherwise: changes go through `update_source`. Returns True when written."""
+    """Declare a new source. Declaring an existing source again is a no-op when nothing differs and an error
+    otherwise: changes go through `update_source`. A name a removed source had is free: the new declaration is a new
+    source, with no history and no recorded root (the removed one keeps its history and its readers). Documents
+    another source held in this one's folder move to it. Returns True when written."""
     with conn.transaction():
         conn.execute("SELECT pg_advisory_xact_lock(hashtext('kb.declarations'))")  # overlap checks see each other
         check_overlaps(conn, source)
-        stored, removed = _locked(conn, source.source_id)
-        if stored is not None and not removed:
+        stored = _locked(conn, source.source_id)
+        if stored is not None:
             changed = differences(stored, source)
             if not changed:
                 return False
@@ -279,7 +334,9 @@ def add_source(conn: psycopg.Connection, source: Source, who: str) -> bool:
                 f" ({_describe(stored, changed)}); change it with `kb source update {source.source_id} ...`"
                 + (f" or in {stored.declared_in}" if stored.declared_in else "") + ", or pick another --source name")
         _write(conn, source)
-        _audit(conn, source.source_id, who, "add", stored if removed else None, source)
+        _audit(conn, source.source_id, who, "add", None, source)
+        _claim_documents(conn, source)
+        refresh_coverage(conn, {source.source_id})
     return True
 
 
@@ -300,8 +357,8 @@ def shown(key: str, value) -> str:
 def _changeable(conn: psycopg.Connection, source_id: str, via_config: str | None, fix: str) -> Source:
     """The declared source, locked for a change; one declared in a config file changes only through a file
     (`fix` says how, `{}` standing for the file)."""
-    stored, removed = _locked(conn, source_id)
-    if stored is None or removed:
+    stored = _locked(conn, source_id)
+    if stored is None:
         raise DeclarationError(f"no source {source_id!r} is declared; see `kb source list`")
     if stored.declared_in and via_config is None:
         raise DeclarationError(f"source {source_id!r} is declared in {stored.declared_in}: "
@@ -338,20 +395,31 @@ def update_source(conn: psycopg.Connection, source_id: str, who: str, via_config
             check_overlaps(conn, updated)
             _write(conn, updated)
             _audit(conn, source_id, who, "update", stored, updated)
+            _claim_documents(conn, updated)
+            refresh_coverage(conn, {source_id})
         if updated.path != stored.path:  # a declared move: the next crawl records the new root's identity
             conn.execute("UPDATE sources SET root_identities = '{}' WHERE source_id = %s", (source_id,))
     return updated
 
 
+def retired_name(source_id: str, source_key: int) -> str:
+    """The name a removed source's history keeps: no declaration can take it (`~` is not allowed in names)."""
+    return f"{source_id}~{source_key}"
+
+
 def remove_source(conn: psycopg.Connection, source_id: str, who: str, via_config: str | None = None) -> int:
-    """Stop serving a source: its documents are soft-deleted with their chunks (history kept) and it leaves
-    every list; `add_source` with the same name brings it back. Returns how many documents were deleted."""
+    """Stop serving a source: its documents are soft-deleted with their chunks and it leaves every list. Its
+    history stays, readable as of a past time by the groups that could read it, under its retired name
+    (`retired_name`); its name is free, and a later declaration under it is a new source. Returns how many
+    documents were deleted."""
     with conn.transaction():
         stored = _changeable(conn, source_id, via_config, "delete it there and run `kb source apply --prune {}`")
         deleted = conn.execute("SELECT kb_soft_delete_documents(%(id)s, ARRAY(SELECT locator FROM documents"
                                " WHERE source_id = %(id)s AND deleted_at IS NULL))", {"id": source_id}).fetchone()[0]
-        conn.execute("UPDATE sources SET removed_at = now(), updated_at = now() WHERE source_id = %s", (source_id,))
         conn.execute("DELETE FROM failures WHERE source_id = %s", (source_id,))
+        conn.execute("DELETE FROM source_coverage WHERE covered_by = %s", (source_id,))  # no longer declared
+        conn.execute("UPDATE sources SET removed_at = now(), updated_at = now(), source_id = %s || '~' || source_key"
+                     " WHERE source_id = %s", (source_id, source_id))
         _audit(conn, source_id, who, "remove", stored, None)
     return deleted
 
@@ -370,10 +438,22 @@ def read_config(path: str | Path) -> list[Source]:
         max_deletion_share = 0.5          # a crawl that would delete more of its documents deletes none
         golden_set = "golden.jsonl"       # queries its refreshes must keep finding (relative to this file)
     """
+    return parse_config(_config_text(path), path)
+
+
+def _config_text(path: str | Path) -> str:
+    try:
+        return Path(path).expanduser().resolve().read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise DeclarationError(f"{path}: cannot read the source declarations: {exc}") from exc
+
+
+def parse_config(text: str, path: str | Path) -> list[Source]:
+    """The sources a kb.toml's text declares (`read_config`); `path` is the file it was read from."""
     config = Path(path).expanduser().resolve()
     try:
-        data = tomllib.loads(config.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError) as exc:
+        data = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
         raise DeclarationError(f"{path}: cannot read the source declarations: {exc}") from exc
     known = {"location", "include", "exclude", "groups", "public", "freshness_hours", "refresh_cron",
              "allow_outside_links", "max_deletion_share", "golden_set"}
@@ -410,47 +490,75 @@ def apply_config(conn: psycopg.Connection, path: str | Path, who: str, prune: bo
     """Make the sources table match a config file: add what is new, update what changed, and (with prune)
     remove the sources this file declared before and no longer does. The same file applied from another checkout or
     host is the same declaration: its relative paths stay relative, and only where it was applied from is
-    recorded. A source declared from the CLI is never taken over by a file."""
-    declared = read_config(path)
+    recorded. A source declared from the CLI is never taken over by a file. All or nothing: one refused change
+    leaves every declaration as it was. Removals come first, so a file may give a folder to a new name."""
+    text = _config_text(path)
+    declared = parse_config(text, path)
     config = str(Path(path).expanduser().resolve())
     result: dict[str, list[str]] = {"added": [], "updated": [], "unchanged": [], "removed": [], "not_in_file": []}
-    for source in declared:
-        stored = get_source(conn, source.source_id)
-        if stored is None:
-            add_source(conn, source, who)
-            result["added"].append(source.source_id)
-        elif stored.declared_in is None:
-            raise DeclarationError(f"{path}: source {source.source_id!r} is already declared from the CLI; remove it"
-                              f" there first (`kb source remove {source.source_id}`) or rename it here")
-        elif differences(stored, source):
-            changes = {k: getattr(source, k) for k in differences(stored, source)}
-            update_source(conn, source.source_id, who, via_config=config, **changes)
-            result["updated"].append(source.source_id)
-        else:
-            result["unchanged"].append(source.source_id)
     names = {s.source_id for s in declared}
-    for stale in (s for s in load_sources(conn) if s.declared_in == config and s.source_id not in names):
-        if prune:
-            remove_source(conn, stale.source_id, who, via_config=config)
-            result["removed"].append(stale.source_id)
-        else:
-            result["not_in_file"].append(stale.source_id)
+    with conn.transaction():
+        for source in declared:
+            stored = get_source(conn, source.source_id)
+            if stored is not None and stored.declared_in is None:
+                raise DeclarationError(f"{path}: source {source.source_id!r} is already declared from the CLI; remove"
+                                       f" it there first (`kb source remove {source.source_id}`) or rename it here;"
+                                       " nothing of this file was applied")
+        for stale in (s for s in load_sources(conn) if s.declared_in == config and s.source_id not in names):
+            if prune:
+                remove_source(conn, stale.source_id, who, via_config=config)
+                result["removed"].append(stale.source_id)
+            else:
+                result["not_in_file"].append(stale.source_id)
+        for source in declared:
+            stored = get_source(conn, source.source_id)
+            try:
+                if stored is None:
+                    add_source(conn, source, who)
+                    result["added"].append(source.source_id)
+                elif differences(stored, source):
+                    changes = {k: getattr(source, k) for k in differences(stored, source)}
+                    update_source(conn, source.source_id, who, via_config=config, **changes)
+                    result["updated"].append(source.source_id)
+                else:
+                    result["unchanged"].append(source.source_id)
+            except DeclarationError as exc:
+                raise DeclarationError(f"{path}: [sources.{source.source_id}]: {exc}; nothing of this file was"
+                                       " applied") from exc
+        conn.execute("UPDATE sources SET declared_hash = %s WHERE declared_in = %s AND removed_at IS NULL",
+                     (hash_text(text), config))
     return result
 
 
+def changed_since_applied(conn: psycopg.Connection, source_ids: list[str]) -> list[str]:
+    """A line for each config file declaring these sources whose text is not the text last applied: the run reads
+    the declarations as applied, and whoever started it should know that the edits are not in it."""
+    lines = []
+    for declared_in, applied in conn.execute(
+            "SELECT DISTINCT declared_in, declared_hash FROM sources WHERE source_id = ANY(%s) AND removed_at IS NULL"
+            " AND declared_in IS NOT NULL ORDER BY 1", (source_ids,)).fetchall():
+        here = os.environ.get("KB_CONFIG") or declared_in  # this machine's copy of the file (resolve_declared)
+        try:
+            current = hash_text(Path(here).expanduser().read_text(encoding="utf-8"))
+        except (OSError, UnicodeDecodeError):
+            continue  # a host that runs without the file: its declarations are what was applied
+        if current != applied:
+            lines.append(f"{here} changed since it was last applied: this run uses the declarations as applied; run"
+                         f" `kb source apply {here}` to use the edits")
+    return lines
+
+
 def source_for_ingest(conn: psycopg.Connection, path: str | Path, name: str | None, include=(), exclude=(),
-                      groups=None, who: str = "") -> tuple[Source, bool]:
-    """What `kb ingest PATH` means: a new source is declared from the command; a declared one is ingested as
-    declared, and a command that would change its location, globs or groups is refused. Returns the source and
-    whether this command declared it."""
+                      groups=None, who: str = "", public: bool = False) -> tuple[Source, bool]:
+    """What `kb ingest PATH` means: a new source is declared from the command, which must say who may read it
+    (`groups`, or `public`); a declared one is ingested as declared, and a command that would change its location,
+    globs or groups is refused. Returns the source and whether this command declared it."""
     wanted = declare(name, path, include, exclude, groups)
     stored = get_source(conn, wanted.source_id)
     if stored is None:
-        removed = _removed(conn, wanted.source_id)
-        if removed is not None and removed.groups and wanted.groups is None:
-            raise DeclarationError(f"source {wanted.source_id!r} was readable by groups {', '.join(removed.groups)}"
-                                   " before it was removed; declare it again with its groups (--group G), or with"
-                                   f" `kb source add {wanted.source_id} PATH --public` if everyone may read it now")
+        if wanted.groups is None and not public:
+            raise DeclarationError(f"{path} is not a declared source, and declaring it as {wanted.source_id!r} needs to"
+                                   " say who may read it: add --group G (repeatable) or --public")
         add_source(conn, wanted, who)
         return wanted, True
     asked = {"location": str(wanted.path)}
@@ -458,7 +566,7 @@ def source_for_ingest(conn: psycopg.Connection, path: str | Path, name: str | No
         asked["include"] = list(wanted.include)
     if exclude:
         asked["exclude"] = list(wanted.exclude)
-    if groups:
+    if groups or public:
         asked["groups"] = list(wanted.groups or ())
     declared = {**stored.declaration(), "location": str(stored.path)}
     declared["groups"] = declared["groups"] or []

@@ -85,14 +85,15 @@ def ensure_index(conn: psycopg.Connection, table: str) -> None:
 
 
 def defer_index(conn: psycopg.Connection, table: str, incoming: int) -> bool:
-    """Drop a serving table's HNSW index before a load that at least doubles it (a first ingest), so it is built
-    once afterwards instead of grown row by row; `ensure_index` rebuilds it. Searches meanwhile fall back to
-    exact scans of a table that is small next to what is coming. Returns True when it dropped the index.
-    (A model being built has no index at all until `activate_if_complete`.)"""
+    """Drop the HNSW index of a serving table that holds no vector yet before a large first load, so it is built
+    once afterwards instead of grown row by row (`ensure_index` builds it). Only then: an index that serves any
+    vector is kept whatever the load, since every search of every source reads it, and a load must never turn them
+    into exact scans (a large source added to a serving store grows the index row by row; bench/README.md, "Search
+    during a load"). Returns True when it dropped the index. (A model being built has no index at all until
+    `activate_if_complete`.)"""
     if incoming < DEFER_INDEX_MIN_ROWS:
         return False
-    stored = conn.execute(sql.SQL("SELECT count(*) FROM {}").format(sql.Identifier(table))).fetchone()[0]
-    if incoming < stored:
+    if conn.execute(sql.SQL("SELECT EXISTS (SELECT 1 FROM {})").format(sql.Identifier(table))).fetchone()[0]:
         return False
     conn.execute(sql.SQL("DROP INDEX IF EXISTS {}").format(sql.Identifier(f"{table}_hnsw")))
     return True

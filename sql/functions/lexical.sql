@@ -6,7 +6,9 @@
 -- source's postings count of each of its lexemes and, for lexemes of its own text (not only of its title/section
 -- prefix), +1 to the document frequency in lexical_terms, plus its length to the source's lexical_stats; a chunk
 -- that stops being live subtracts the same and its postings move to lexical_postings_closed. Statistics are per
--- source so that search can sum them over the sources a caller may read (sql/queries/hybrid_search.sql).
+-- source so that search can sum them over the sources a caller may read (sql/queries/hybrid_search.sql). Every change
+-- of them is also kept per transaction (lexical_terms_history, lexical_stats_history; sql/015), so an as-of read
+-- ranks with the statistics of the versions live then.
 
 CREATE OR REPLACE FUNCTION kb_lexical_apply(entered bigint[], left_ bigint[]) RETURNS void
 LANGUAGE sql AS $$
@@ -34,10 +36,21 @@ LANGUAGE sql AS $$
     ), terms AS (  -- a data-modifying CTE always runs to completion
         UPDATE lexical_terms t SET df = t.df + coalesce(d.df, 0), postings = t.postings + d.postings
         FROM delta d WHERE t.term_key = d.term_key AND (d.postings <> 0 OR d.df <> 0)
+    ), terms_then AS (
+        INSERT INTO lexical_terms_history AS h (term_key, changed_at, df, postings)
+        SELECT term_key, now(), coalesce(df, 0), postings FROM delta WHERE postings <> 0 OR df <> 0
+        ON CONFLICT (term_key, changed_at) DO UPDATE SET df = h.df + excluded.df, postings = h.postings + excluded.postings
+    ), sources_delta AS (
+        SELECT source_key, sum(sign) AS chunks, sum(sign * lexical_length) AS total_length FROM changed
+        WHERE source_key IS NOT NULL GROUP BY source_key
+    ), sources_then AS (
+        INSERT INTO lexical_stats_history AS h (source_key, changed_at, chunks, total_length)
+        SELECT source_key, now(), chunks, total_length FROM sources_delta
+        ON CONFLICT (source_key, changed_at) DO UPDATE
+            SET chunks = h.chunks + excluded.chunks, total_length = h.total_length + excluded.total_length
     )
     INSERT INTO lexical_stats AS st (source_key, chunks, total_length)
-    SELECT source_key, sum(sign), sum(sign * lexical_length) FROM changed WHERE source_key IS NOT NULL
-    GROUP BY source_key
+    SELECT source_key, chunks, total_length FROM sources_delta
     ON CONFLICT (source_key) DO UPDATE
         SET chunks = st.chunks + excluded.chunks, total_length = st.total_length + excluded.total_length;
 $$;
@@ -98,8 +111,7 @@ BEGIN
     END IF;
     -- A live chunk kept with the same embedded text split differently between prefix and text (publish updates
     -- both): its postings stand, but document frequency counts the lexemes of its own text, so move those counts.
-    UPDATE lexical_terms t SET df = t.df + d.df
-    FROM (
+    WITH d AS MATERIALIZED (
         SELECT p.term_key, sum(r.sign) AS df
         FROM (SELECT n.chunk_id, n.text, 1 AS sign FROM new_rows n JOIN old_rows o USING (chunk_id)
               WHERE n.valid_to IS NULL AND o.valid_to IS NULL AND n.text <> o.text
@@ -110,8 +122,13 @@ BEGIN
         JOIN lexical_postings p ON p.chunk_id = r.chunk_id
         JOIN lexical_terms k ON k.term_key = p.term_key AND k.term = u.lexeme
         GROUP BY p.term_key
-    ) d
-    WHERE t.term_key = d.term_key AND d.df <> 0;
+        HAVING sum(r.sign) <> 0
+    ), history AS (
+        INSERT INTO lexical_terms_history AS h (term_key, changed_at, df, postings)
+        SELECT term_key, now(), df, 0 FROM d
+        ON CONFLICT (term_key, changed_at) DO UPDATE SET df = h.df + excluded.df
+    )
+    UPDATE lexical_terms t SET df = t.df + d.df FROM d WHERE t.term_key = d.term_key;
     RETURN NULL;
 END $$;
 

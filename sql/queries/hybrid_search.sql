@@ -8,7 +8,8 @@
 -- c and documents d (live or as-of rows, the sources the caller may read, format, dates, entities);
 -- %(source_keys)s, the caller's readable sources. BM25's statistics (document frequencies, corpus size, average
 -- length) are sums over those sources only, and postings are read per source, so documents the caller cannot read
--- change neither its scores nor its candidates.
+-- change neither its scores nor its candidates. As of a time, the statistics are those of the versions live then
+-- (lexical_terms_history, lexical_stats_history: sql/015), so history ranks as it ranked when it was live.
 --
 -- Three ways to find candidates, chosen by search.py:
 -- * %(within)s set (a selective filter matched few chunks): both arms score exactly those chunks;
@@ -18,13 +19,23 @@ WITH visible AS (
     SELECT unnest(%(source_keys)s::int[]) AS source_key
 ), query_terms AS (
     SELECT DISTINCT u.lexeme AS term FROM unnest(kb_lexemes(%(query)s)) AS u
+), source_stats AS (
+    SELECT s.chunks, s.total_length FROM lexical_stats s JOIN visible USING (source_key)
+    WHERE %(as_of)s::timestamptz IS NULL
+    UNION ALL
+    SELECT h.chunks, h.total_length FROM lexical_stats_history h JOIN visible USING (source_key)
+    WHERE h.changed_at <= %(as_of)s::timestamptz
 ), corpus AS (
     SELECT greatest(coalesce(sum(s.chunks), 0), 1)::float8 AS n,
            greatest(coalesce(sum(s.total_length), 0)::float8 / greatest(coalesce(sum(s.chunks), 0), 1), 1) AS avg_length
-    FROM lexical_stats s JOIN visible USING (source_key)
+    FROM source_stats s
 ), term_sources AS MATERIALIZED (
-    SELECT t.term, t.source_key, t.term_key, t.df, t.postings
+    SELECT t.term, t.source_key, t.term_key, coalesce(past.df, t.df) AS df, coalesce(past.postings, t.postings) AS postings
     FROM lexical_terms t JOIN query_terms USING (term) JOIN visible USING (source_key)
+    LEFT JOIN LATERAL (
+        SELECT coalesce(sum(h.df), 0) AS df, coalesce(sum(h.postings), 0) AS postings FROM lexical_terms_history h
+        WHERE h.term_key = t.term_key AND h.changed_at <= %(as_of)s::timestamptz
+    ) past ON %(as_of)s::timestamptz IS NOT NULL
 ), weights AS MATERIALIZED (
     -- idf from the document frequency in chunk texts (Lucene's form, never negative); with %(common_share)s set,
     -- terms in more than that share of the readable chunks are left out. A term is essential when it has the

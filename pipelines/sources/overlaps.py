@@ -1,0 +1,116 @@
+"""Which sources overlap on disk, decided on what their paths are, not on how they are written.
+
+Two declarations can name one folder in many ways: `data/hr`, `alias/hr` through a symbolic link, `/mnt/hr`
+through a bind mount of `data/hr`, a share mounted twice. Comparing the text of the paths would let a restricted
+folder be served to everyone as part of a public source that reaches it by another name. So a path is reduced to its
+place: the filesystem it lives on (the device of its mount, from /proc/self/mountinfo) and its path inside that
+filesystem (the mount's own root plus the rest of the real path), which is the same for every name of one folder.
+A mount can appear after a source was declared, so this is decided again at every crawl (pipelines/ingest/extract.py),
+where the walk also compares each folder's device and inode with the other sources' roots.
+
+From the places, `coverage` says which part of which source a restricted source's folder holds: a caller outside
+the restricted source's groups reads none of it (sql/015, pipelines/retrieval/readable.py).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path, PurePosixPath
+from typing import Iterable
+
+MOUNTINFO = Path("/proc/self/mountinfo")
+_ESCAPED = re.compile(r"\\([0-7]{3})")
+
+
+@dataclass(frozen=True)
+class Place:
+    """Where a path is: `device` (a mount's major:minor) and `path` inside that filesystem, the same for every name of
+    one folder; `real` is the path with its links resolved (as far as it exists), what is left to compare a path that
+    is not on this machine (`device` None) by."""
+
+    device: str | None
+    path: PurePosixPath
+    real: PurePosixPath
+
+    def _pair(self, other: "Place") -> tuple[PurePosixPath, PurePosixPath] | None:
+        if self.device is not None and other.device is not None:
+            return (self.path, other.path) if self.device == other.device else None
+        return self.real, other.real
+
+    def holds(self, other: "Place") -> bool:
+        """Whether `other` is this place or lies below it."""
+        pair = self._pair(other)
+        return pair is not None and pair[1].is_relative_to(pair[0])
+
+
+@dataclass(frozen=True)
+class _Mount:
+    point: PurePosixPath  # where it is mounted here
+    root: PurePosixPath  # which folder of its filesystem appears there
+    device: str
+
+
+def _unescape(field: str) -> str:
+    return _ESCAPED.sub(lambda m: chr(int(m.group(1), 8)), field)
+
+
+def _mounts() -> list[_Mount]:
+    """This process's mounts, read fresh each time: a share can be mounted or bound between two crawls."""
+    try:
+        lines = MOUNTINFO.read_text().splitlines()
+    except OSError:  # not Linux, or no /proc: devices from stat() still tell filesystems apart
+        return []
+    mounts = []
+    for line in lines:
+        fields = line.split()
+        if len(fields) >= 5:
+            mounts.append(_Mount(PurePosixPath(_unescape(fields[4])), PurePosixPath(_unescape(fields[3])), fields[2]))
+    return mounts
+
+
+def place(path: str | os.PathLike, mounts: list[_Mount] | None = None) -> Place:
+    """The place of a folder or file; a path missing here is compared by its text, resolved as far as it exists."""
+    try:
+        real = PurePosixPath(os.path.realpath(path, strict=True))
+    except OSError:
+        resolved = PurePosixPath(os.path.realpath(path))
+        return Place(None, resolved, resolved)
+    mounts = _mounts() if mounts is None else mounts
+    # The mount a path is on: the longest mount point above it; of several on one point, the last one mounted.
+    candidates = [m for m in mounts if real.is_relative_to(m.point)]
+    if not candidates:
+        return Place(f"st_dev:{os.stat(real).st_dev}", real, real)
+    mount = max(enumerate(candidates), key=lambda im: (len(im[1].point.parts), im[0]))[1]
+    return Place(mount.device, mount.root / real.relative_to(mount.point), real)
+
+
+def below(inner: Place, outer: Place) -> str | None:
+    """The path of `inner` inside the folder `outer` ('' when they are one place), or None when it is not inside."""
+    pair = outer._pair(inner)
+    if pair is None or not pair[1].is_relative_to(pair[0]):
+        return None
+    relative = pair[1].relative_to(pair[0]).as_posix()
+    return "" if relative == "." else relative
+
+
+Coverage = set[tuple[str, str, str]]  # (source_id, covered_by, locator prefix)
+
+
+def coverage(places: dict[str, Place], restricted: Iterable[str], folders: Iterable[str]) -> Coverage:
+    """Rows of source_coverage for these sources' places: (S, R, prefix) for every restricted, declared source R and
+    every other source S whose documents lie (from `prefix` down; '' = all of them) in R's folder or file. `folders`
+    names the sources whose locators are paths below their place (folder sources); a JSONL source's records are
+    all covered or none."""
+    folders = set(folders)
+    rows: Coverage = set()
+    for covering in restricted:
+        for source_id, where in places.items():
+            if source_id == covering:
+                continue
+            if places[covering].holds(where):
+                rows.add((source_id, covering, ""))
+            elif source_id in folders and (inside := below(places[covering], where)) is not None:
+                rows.add((source_id, covering, inside))
+    return rows

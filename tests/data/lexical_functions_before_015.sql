@@ -1,0 +1,133 @@
+-- BM25 bookkeeping, kept current by triggers on `chunks` (created in sql/003 and sql/004).
+--
+-- Every chunk written adds one posting per lexeme of its embedded text, to lexical_postings when it is live and to
+-- lexical_postings_closed when it is not; a posting names its term in the chunk's source by lexical_terms.term_key
+-- (a row is created for a (term, source) pair the first time one is seen). A chunk that becomes live adds +1 to its
+-- source's postings count of each of its lexemes and, for lexemes of its own text (not only of its title/section
+-- prefix), +1 to the document frequency in lexical_terms, plus its length to the source's lexical_stats; a chunk
+-- that stops being live subtracts the same and its postings move to lexical_postings_closed. Statistics are per
+-- source so that search can sum them over the sources a caller may read (sql/queries/hybrid_search.sql).
+
+CREATE OR REPLACE FUNCTION kb_lexical_apply(entered bigint[], left_ bigint[]) RETURNS void
+LANGUAGE sql AS $$
+    WITH moved AS (
+        SELECT unnest(entered) AS chunk_id, 1 AS sign UNION ALL SELECT unnest(left_), -1
+    ), changed AS MATERIALIZED (
+        -- A chunk's source from its document, or, when the document row is already gone (a delete cascading
+        -- from it), from its postings' terms; term counts need no source.
+        SELECT m.chunk_id, m.sign, c.lexical_length, c.text,
+               coalesce(src.source_key, (SELECT k.source_key FROM lexical_postings_any p JOIN lexical_terms k USING (term_key)
+                                         WHERE p.chunk_id = m.chunk_id LIMIT 1)) AS source_key
+        FROM moved m
+        JOIN chunks c USING (chunk_id)
+        LEFT JOIN documents d USING (document_id)
+        LEFT JOIN sources src USING (source_id)
+    ), body AS MATERIALIZED (  -- the lexemes of each chunk's own text, computed once per chunk
+        SELECT ch.chunk_id, u.lexeme FROM changed ch CROSS JOIN LATERAL unnest(tsvector_to_array(kb_lexemes(ch.text))) AS u(lexeme)
+    ), delta AS (
+        SELECT p.term_key, sum(ch.sign) FILTER (WHERE b.lexeme IS NOT NULL) AS df, sum(ch.sign) AS postings
+        FROM changed ch
+        JOIN lexical_postings_any p USING (chunk_id)
+        JOIN lexical_terms t ON t.term_key = p.term_key
+        LEFT JOIN body b ON b.chunk_id = ch.chunk_id AND b.lexeme = t.term
+        GROUP BY p.term_key
+    ), terms AS (  -- a data-modifying CTE always runs to completion
+        UPDATE lexical_terms t SET df = t.df + coalesce(d.df, 0), postings = t.postings + d.postings
+        FROM delta d WHERE t.term_key = d.term_key AND (d.postings <> 0 OR d.df <> 0)
+    )
+    INSERT INTO lexical_stats AS st (source_key, chunks, total_length)
+    SELECT source_key, sum(sign), sum(sign * lexical_length) FROM changed WHERE source_key IS NOT NULL
+    GROUP BY source_key
+    ON CONFLICT (source_key) DO UPDATE
+        SET chunks = st.chunks + excluded.chunks, total_length = st.total_length + excluded.total_length;
+$$;
+
+CREATE OR REPLACE FUNCTION kb_lexical_on_insert() RETURNS trigger LANGUAGE plpgsql AS $$
+BEGIN
+    -- Each chunk's lexemes once (a plain LATERAL subquery would be inlined and recomputed per use). A (term, source)
+    -- pair new to lexical_terms gets its key here; one a concurrent writer added meanwhile is found by the no-op
+    -- update, which returns it.
+    WITH lexemes AS MATERIALIZED (
+        SELECT n.chunk_id, n.valid_to IS NULL AS live, s.source_key, least(n.lexical_length, 32767) AS length,
+               u.lexeme, coalesce(array_length(u.positions, 1), 1) AS tf
+        FROM new_rows n
+        JOIN documents d USING (document_id)
+        JOIN sources s USING (source_id)
+        CROSS JOIN LATERAL unnest(kb_lexemes(n.embed_prefix || n.text)) AS u
+    ), pairs AS MATERIALIZED (
+        SELECT DISTINCT lexeme AS term, source_key FROM lexemes
+    ), known AS (
+        SELECT t.term, t.source_key, t.term_key FROM lexical_terms t JOIN pairs USING (term, source_key)
+    ), added AS (
+        INSERT INTO lexical_terms AS t (term, source_key, df, postings)
+        SELECT p.term, p.source_key, 0, 0 FROM pairs p
+        WHERE NOT EXISTS (SELECT 1 FROM lexical_terms k WHERE k.term = p.term AND k.source_key = p.source_key)
+        ORDER BY 1, 2
+        ON CONFLICT (term, source_key) DO UPDATE SET df = t.df
+        RETURNING t.term, t.source_key, t.term_key
+    ), keyed AS MATERIALIZED (
+        SELECT l.chunk_id, l.live, k.term_key, l.tf, l.length
+        FROM lexemes l JOIN (SELECT * FROM known UNION ALL SELECT * FROM added) k
+            ON k.term = l.lexeme AND k.source_key = l.source_key
+    ), closed AS (
+        INSERT INTO lexical_postings_closed (chunk_id, term_key, tf, length)
+        SELECT chunk_id, term_key, tf, length FROM keyed WHERE NOT live ORDER BY chunk_id
+    )
+    -- In chunk order: a chunk's postings share heap pages (one or two per probe) and its key in the chunk index.
+    INSERT INTO lexical_postings (chunk_id, term_key, tf, length)
+    SELECT chunk_id, term_key, tf, length FROM keyed WHERE live ORDER BY chunk_id;
+    PERFORM kb_lexical_apply(ARRAY(SELECT chunk_id FROM new_rows WHERE valid_to IS NULL), '{}');
+    RETURN NULL;
+END $$;
+
+CREATE OR REPLACE FUNCTION kb_lexical_on_update() RETURNS trigger LANGUAGE plpgsql AS $$
+DECLARE
+    entered bigint[] := ARRAY(SELECT n.chunk_id FROM new_rows n JOIN old_rows o USING (chunk_id)
+                              WHERE o.valid_to IS NOT NULL AND n.valid_to IS NULL);
+    left_ bigint[] := ARRAY(SELECT n.chunk_id FROM new_rows n JOIN old_rows o USING (chunk_id)
+                            WHERE o.valid_to IS NULL AND n.valid_to IS NOT NULL);
+BEGIN
+    IF cardinality(entered) + cardinality(left_) > 0 THEN
+        WITH reopened AS (DELETE FROM lexical_postings_closed WHERE chunk_id = ANY(entered) RETURNING *)
+        INSERT INTO lexical_postings (chunk_id, term_key, tf, length)
+        SELECT chunk_id, term_key, tf, length FROM reopened;
+        WITH closed AS (DELETE FROM lexical_postings WHERE chunk_id = ANY(left_) RETURNING *)
+        INSERT INTO lexical_postings_closed (chunk_id, term_key, tf, length)
+        SELECT chunk_id, term_key, tf, length FROM closed;
+        PERFORM kb_lexical_apply(entered, left_);
+    END IF;
+    -- A live chunk kept with the same embedded text split differently between prefix and text (publish updates
+    -- both): its postings stand, but document frequency counts the lexemes of its own text, so move those counts.
+    UPDATE lexical_terms t SET df = t.df + d.df
+    FROM (
+        SELECT p.term_key, sum(r.sign) AS df
+        FROM (SELECT n.chunk_id, n.text, 1 AS sign FROM new_rows n JOIN old_rows o USING (chunk_id)
+              WHERE n.valid_to IS NULL AND o.valid_to IS NULL AND n.text <> o.text
+              UNION ALL
+              SELECT o.chunk_id, o.text, -1 FROM new_rows n JOIN old_rows o USING (chunk_id)
+              WHERE n.valid_to IS NULL AND o.valid_to IS NULL AND n.text <> o.text) r
+        CROSS JOIN LATERAL unnest(tsvector_to_array(kb_lexemes(r.text))) AS u(lexeme)
+        JOIN lexical_postings p ON p.chunk_id = r.chunk_id
+        JOIN lexical_terms k ON k.term_key = p.term_key AND k.term = u.lexeme
+        GROUP BY p.term_key
+    ) d
+    WHERE t.term_key = d.term_key AND d.df <> 0;
+    RETURN NULL;
+END $$;
+
+-- A live chunk deleted outright (not closed) leaves the statistics before its row goes.
+CREATE OR REPLACE FUNCTION kb_lexical_before_delete() RETURNS trigger LANGUAGE plpgsql AS $$
+BEGIN
+    IF OLD.valid_to IS NULL THEN
+        PERFORM kb_lexical_apply('{}', ARRAY[OLD.chunk_id]);
+    END IF;
+    RETURN OLD;
+END $$;
+
+-- Deletes (retention purges of closed chunks) drop their postings in one statement per table.
+CREATE OR REPLACE FUNCTION kb_lexical_after_delete() RETURNS trigger LANGUAGE plpgsql AS $$
+BEGIN
+    DELETE FROM lexical_postings p USING old_rows o WHERE p.chunk_id = o.chunk_id;
+    DELETE FROM lexical_postings_closed p USING old_rows o WHERE p.chunk_id = o.chunk_id;
+    RETURN NULL;
+END $$;
