@@ -92,7 +92,7 @@ def test_a_folder_unreadable_below_the_top_keeps_its_documents(settings, tmp_pat
     (docs / "ops" / "private").mkdir(parents=True)
     for relpath in ("handbook.md", "ops/runbook.md", "ops/private/plan.md"):
         (docs / relpath).write_text(f"# {relpath}\n\nAn okapi note in {relpath}.\n")
-    kb("ingest", str(docs), "--source", "docs")
+    kb("ingest", str(docs), "--source", "docs", "--public")
     (docs / "ops" / "private").chmod(0)
     try:
         with tcp_to_database(settings.database_url) as url:
@@ -446,7 +446,7 @@ def test_binary_garbage_with_a_text_name_fails_alone_and_keeps_the_last_version(
     docs = tmp_path / "docs"
     docs.mkdir()
     (docs / "notes.txt").write_text("The zebra signing keys rotate monthly.\n\nEach rotation is logged.\n")
-    kb("ingest", str(docs), "--source", "docs")
+    kb("ingest", str(docs), "--source", "docs", "--public")
     before = live_texts(settings, "notes.txt")
 
     rng = np.random.default_rng(8)
