@@ -85,6 +85,28 @@ def test_an_unreadable_folder_keeps_its_documents(settings, samples_copy):
     assert failing() == {}
 
 
+def test_a_folder_unreadable_below_the_top_keeps_its_documents(settings, tmp_path):
+    """The walk named an unreadable folder by its last component only (os.fwalk's error): ops/private was recorded
+    as private/, so the documents under ops/private/ were not protected and the crawl deleted them."""
+    docs = tmp_path / "docs"
+    (docs / "ops" / "private").mkdir(parents=True)
+    for relpath in ("handbook.md", "ops/runbook.md", "ops/private/plan.md"):
+        (docs / relpath).write_text(f"# {relpath}\n\nAn okapi note in {relpath}.\n")
+    kb("ingest", str(docs), "--source", "docs", "--public")
+    (docs / "ops" / "private").chmod(0)
+    try:
+        with tcp_to_database(settings.database_url) as url:
+            result = subprocess.run([*without_root_capabilities(), KB, "ingest", "--source", "docs", "--json"],
+                                    capture_output=True, text=True, env={**os.environ, "DATABASE_URL": url})
+    finally:
+        (docs / "ops" / "private").chmod(0o755)
+    assert result.returncode == 3, result.stderr
+    data = json.loads(result.stdout)
+    assert list(errors(data)) == ["ops/private/"] and data["documents_deleted"] == 0
+    assert f"cannot read folder {docs / 'ops/private'}: Permission denied" in errors(data)["ops/private/"]
+    assert live_texts(settings, "ops/private/plan.md") == ["An okapi note in ops/private/plan.md."]
+
+
 def test_an_unmounted_or_emptied_source_deletes_nothing_until_confirmed(settings, samples_copy, instance):
     kb("ingest", str(samples_copy), "--source", "samples", "--public")
     shutil.move(samples_copy, samples_copy.parent / "elsewhere")
@@ -413,3 +435,35 @@ def test_a_hostile_folder_in_one_run(settings, samples_copy, tmp_path):
     assert "paragraphs.docx" in found["okapi census paragraph"]
     assert "handbook/leave-policy.md" in found["parental leave weeks"]
     assert live_texts(settings, "ops/token.txt") and live_texts(settings, "r7") == ["The okapi record with a NUL."]
+
+
+def test_binary_garbage_with_a_text_name_fails_alone_and_keeps_the_last_version(settings, tmp_path):
+    """Issue 27 item 8: random bytes written over notes.txt were indexed as 33 chunks of garbage that ranked first
+    for many queries. Now each binary file with a text name is one failure, named with its path, recorded where
+    `kb status` shows it; notes.txt keeps its last good version; real text in UTF-16 or Latin-1 is indexed."""
+    import gzip
+
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    (docs / "notes.txt").write_text("The zebra signing keys rotate monthly.\n\nEach rotation is logged.\n")
+    kb("ingest", str(docs), "--source", "docs", "--public")
+    before = live_texts(settings, "notes.txt")
+
+    rng = np.random.default_rng(8)
+    (docs / "notes.txt").write_bytes(rng.bytes(200_000))
+    (docs / "archive.md").write_bytes(gzip.compress(b"# Archive\n\nOld pages.\n" * 500))
+    (docs / "page.html").write_bytes(b"\x89PNG\r\n\x1a\n" + rng.bytes(5_000))
+    letter = "Die Lieferung der Okapi-Futterrüben verzögert sich um zwei Wochen."
+    (docs / "letter.txt").write_bytes(f"{letter}\n".encode("utf-16"))
+    (docs / "menu.md").write_bytes("# Menu\n\nCrème brûlée and café au lait for the zebra keepers.\n".encode("latin-1"))
+    data = kb_json("ingest", "--source", "docs", expect=3)
+    reasons = errors(data)
+    assert set(reasons) == {"notes.txt", "archive.md", "page.html"}
+    for locator, reason in reasons.items():
+        assert reason.startswith(f"{docs / locator}: not a text file: ") and "\n" not in reason, reason
+    assert set(failing()) == set(reasons)
+    assert live_texts(settings, "notes.txt") == before
+    assert live_texts(settings, "letter.txt") == [letter]
+    assert "Crème brûlée and café au lait for the zebra keepers." in live_texts(settings, "menu.md")
+    hits = kb_json("search", "zebra signing keys", "--k", "3")["chunks"]
+    assert hits[0]["document"] == "notes.txt" and "rotate monthly" in hits[0]["content"]

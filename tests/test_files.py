@@ -185,3 +185,110 @@ def test_only_regular_files_of_an_unsupported_type_are_skipped(settings, tmp_pat
     data = json.loads(kb("ingest", str(docs), "--source", "docs", "--public", "--json", expect=3).stdout)
     assert [s["file"] for s in data["skipped"]] == ["firmware.bin"]
     assert {e["file"] for e in data["errors"]} == {"link.bin", "pipe.bin"}
+
+
+def _nest(root: Path, depth: int, files: dict[int, str]) -> None:
+    """Folders d/d/d/... `depth` deep below `root`, with a file at the levels in `files`. Made through descriptors
+    (os.makedirs recurses in Python and would itself stop at about 1,000 levels)."""
+    fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        for level in range(1, depth + 1):
+            os.mkdir("d", dir_fd=fd)
+            child = os.open("d", os.O_RDONLY | os.O_DIRECTORY, dir_fd=fd)
+            os.close(fd)
+            fd = child
+            if level in files:
+                note = os.open(files[level], os.O_WRONLY | os.O_CREAT, 0o644, dir_fd=fd)
+                os.write(note, f"# Level {level}\n\nA note about okapis, {level} folders down.\n".encode())
+                os.close(note)
+    finally:
+        os.close(fd)
+
+
+def _unnest(root: Path) -> None:
+    """Remove what `_nest` made, from the top, each level moved up before its parent goes (shutil.rmtree, and so
+    pytest's cleanup, recurse in Python)."""
+    while (root / "d").exists():
+        os.rename(root / "d", root / "gone")
+        for name in os.listdir(root / "gone"):
+            if name == "d":
+                os.rename(root / "gone" / "d", root / "d")
+            else:
+                os.unlink(root / "gone" / name)
+        os.rmdir(root / "gone")
+
+
+@pytest.fixture
+def deep_docs(tmp_path) -> Path:
+    """docs/handbook.md beside a folder nested 1,100 deep, with a note 10 levels down and one at the bottom."""
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    (docs / "handbook.md").write_text("# Handbook\n\nThe okapi handbook.\n")
+    _nest(docs, 1100, {10: "shallow.md", 1100: "bottom.md"})
+    yield docs
+    _unnest(docs)
+
+
+def test_a_folder_nested_1100_deep_is_one_failure_and_the_run_goes_on(conn, embedder, settings, tmp_path, deep_docs):
+    """Issue 27 item 9: the walk recursed in Python (os.fwalk) and a folder 1,100 deep stopped the whole run with
+    RecursionError: no source ingested anything. Now the folder past the depth limit is one failure."""
+    from pipelines.ingest.run import ingest
+    from pipelines.sources.declarations import add_source, declare
+    from pipelines.sources.files import MAX_FOLDER_DEPTH
+
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "memo.md").write_text("# Memo\n\nThe zebra memo.\n")
+    add_source(conn, declare("deep", deep_docs), "tests")
+    add_source(conn, declare("other", other), "tests")
+    summary = ingest(conn, embedder, settings)
+    too_deep = "d/" * (MAX_FOLDER_DEPTH + 1)
+    assert [(f.source_id, f.locator, f.reason) for f in summary.failures] == [("deep", too_deep, (
+        f"cannot read folder {deep_docs / too_deep.rstrip('/')}: nested deeper than {MAX_FOLDER_DEPTH} levels;"
+        " its files were not read; documents stored under it are kept"))]
+    published = conn.execute("SELECT source_id, locator FROM documents WHERE published_key IS NOT NULL").fetchall()
+    assert sorted(published) == [("deep", "d/" * 10 + "shallow.md"), ("deep", "handbook.md"), ("other", "memo.md")]
+    assert conn.execute("SELECT locator FROM failures").fetchall() == [(too_deep,)]
+
+
+def test_the_walk_keeps_few_descriptors_open_however_deep_the_tree(deep_docs):
+    """Each folder is opened below its parent's descriptor; only the folders from the root down to the one being
+    listed are open, and the depth limit bounds them (not the tree's 1,100 levels)."""
+    from pipelines.sources.files import MAX_FOLDER_DEPTH, walk_below
+
+    def open_descriptors() -> int:
+        return len(os.listdir("/proc/self/fd"))
+
+    before, most, refused = open_descriptors(), 0, []
+    with open_root(deep_docs, None) as root_fd:
+        for dirpath, dirnames, filenames, dir_fd in walk_below(root_fd, onerror=refused.append):
+            most = max(most, open_descriptors())
+            assert os.path.samestat(os.fstat(dir_fd), os.stat(deep_docs / dirpath))
+    assert open_descriptors() == before
+    assert most <= before + MAX_FOLDER_DEPTH + 2
+    assert [(e.filename, e.strerror) for e in refused] == [
+        ("d/" * MAX_FOLDER_DEPTH + "d", f"nested deeper than {MAX_FOLDER_DEPTH} levels; its files were not read")]
+
+
+def test_documents_below_a_folder_past_the_depth_limit_are_kept(conn, embedder, settings, tmp_path, monkeypatch):
+    """A folder the walk does not enter is like an unreadable one: what was stored under it stays live. Hidden
+    folders are skipped before their depth counts."""
+    from pipelines.ingest.run import ingest
+    from pipelines.sources import files
+    from pipelines.sources.declarations import add_source, declare
+
+    docs = tmp_path / "docs"
+    (docs / "a" / "b" / "c" / "d").mkdir(parents=True)
+    (docs / ".git" / "a" / "b" / "c" / "d").mkdir(parents=True)
+    (docs / ".git" / "a" / "b" / "c" / "d" / "HEAD.md").write_text("# Not a document\n")
+    for relpath in ("top.md", "a/side.md", "a/b/c/d/deep.md"):
+        (docs / relpath).write_text(f"# {relpath}\n\nAn okapi note in {relpath}.\n")
+    add_source(conn, declare("docs", docs), "tests")
+    assert ingest(conn, embedder, settings).counters()["documents_published"] == 3
+    monkeypatch.setattr(files, "MAX_FOLDER_DEPTH", 3)
+    summary = ingest(conn, embedder, settings)
+    assert [(f.locator, f.reason.split(": ", 1)[1]) for f in summary.failures] == [
+        ("a/b/c/d/", "nested deeper than 3 levels; its files were not read; documents stored under it are kept")]
+    assert summary.counters()["documents_deleted"] == 0
+    live = conn.execute("SELECT locator FROM documents WHERE deleted_at IS NULL ORDER BY 1").fetchall()
+    assert [r[0] for r in live] == ["a/b/c/d/deep.md", "a/side.md", "top.md"]

@@ -4,7 +4,7 @@ from pathlib import Path
 
 import pytest
 
-from pipelines.ingest.parse import ParseError, offline_spacy, parse_file
+from pipelines.ingest.parse import ParseError, offline_spacy, parse_bytes, parse_file
 from pipelines.settings import SAMPLES_DIR
 
 DOCS = SAMPLES_DIR / "docs"
@@ -148,6 +148,126 @@ def test_one_changed_file_starts_one_worker_not_a_pool(conn, tmp_path: Path, mon
                         real(fn, tasks, count, *rest))
     assert parse.parse_pending(conn, workers=4).counts["parsed"] == 1
     assert started == [1]
+
+
+def _png(rng) -> bytes:
+    """A real (tiny, valid) PNG: signature, IHDR, compressed IDAT of noise, IEND."""
+    import struct
+    import zlib
+
+    def chunk(kind: bytes, body: bytes) -> bytes:
+        return struct.pack(">I", len(body)) + kind + body + struct.pack(">I", zlib.crc32(kind + body))
+
+    pixels = b"".join(b"\x00" + rng.bytes(3 * 64) for _ in range(64))
+    return (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", 64, 64, 8, 2, 0, 0, 0))
+            + chunk(b"IDAT", zlib.compress(pixels)) + chunk(b"IEND", b""))
+
+
+def _tar(data: bytes) -> bytes:
+    import io
+    import tarfile
+
+    archive = io.BytesIO()
+    with tarfile.open(fileobj=archive, mode="w") as tar:
+        member = tarfile.TarInfo("notes.txt")
+        member.size = len(data)
+        tar.addfile(member, io.BytesIO(data))
+    return archive.getvalue()
+
+
+def _binaries() -> dict[str, bytes]:
+    """Binary files of the kinds that get a text name by mistake (issue 27, item 8)."""
+    import gzip
+    import io
+    import sys
+    import zipfile
+
+    import numpy as np
+
+    rng = np.random.default_rng(27)
+    prose = "The zebra signing keys rotate monthly and every rotation is logged.\n" * 200
+    archive = io.BytesIO()
+    with zipfile.ZipFile(archive, "w", zipfile.ZIP_DEFLATED) as z:
+        z.writestr("notes.txt", prose)
+    return {
+        "random bytes": rng.bytes(40_000),
+        "gzip of text": gzip.compress(prose.encode()),
+        "zip of text": archive.getvalue(),
+        "PNG": _png(rng),
+        "ELF executable": Path(sys.executable).resolve().read_bytes()[:65_536],
+        "tar of text": _tar(prose.encode()),
+        "NULs": b"\x00" * 20_000,
+        "7-bit noise": bytes(b % 128 for b in rng.bytes(20_000)),
+        "random bytes after a UTF-16 mark": b"\xff\xfe" + rng.bytes(4_000),
+    }
+
+
+PROSE = ("Café owners in Zürich reviewed the naïve résumé of the zebra keeper. "
+         "The okapi enclosure moves to the north garden in spring.\n\n") * 10
+
+
+@pytest.mark.parametrize("doc_format", ["txt", "md", "csv", "html", "eml"])
+def test_a_binary_file_with_a_text_name_is_refused_with_one_line(doc_format):
+    """Random bytes named notes.txt were parsed into pages of garbage (33 chunks that ranked first for many queries),
+    as .eml into 167 elements of it; .md and .html failed with a parser's error, .csv with a UnicodeDecodeError."""
+    for kind, data in _binaries().items():
+        with pytest.raises(ParseError) as refused:
+            parse_bytes(data, f"notes.{doc_format}", doc_format)
+        message = str(refused.value)
+        assert message.startswith("not a text file: ") and "\n" not in message, (kind, message)
+        assert message.endswith(f"is it a binary file with a .{doc_format} name?"), (kind, message)
+
+
+@pytest.mark.parametrize("encoding", ["utf-16", "utf-16-be-bom", "utf-16-le", "utf-32", "utf-8-sig", "latin-1",
+                                      "cp1252"])
+def test_real_text_in_another_encoding_parses_with_its_accents(encoding):
+    """UTF-16 (with a byte-order mark, or without) was refused as binary; Latin-1 came out with U+FFFD for every
+    accent; the UTF-8 byte-order mark stayed in the text."""
+    data = (b"\xfe\xff" + PROSE.encode("utf-16-be")) if encoding == "utf-16-be-bom" else PROSE.encode(encoding)
+    text = "\n".join(e.text for e in parse_bytes(data, "notes.txt", "txt").elements)
+    assert text.startswith("Café owners in Zürich reviewed the naïve résumé")
+    assert "\ufffd" not in text and "\ufeff" not in text
+
+
+@pytest.mark.parametrize("doc_format", ["md", "html", "csv"])
+def test_utf16_and_latin1_parse_in_every_text_format(doc_format):
+    for data in (PROSE.encode("utf-16"), PROSE.encode("latin-1")):
+        text = "\n".join(e.text for e in parse_bytes(data, f"notes.{doc_format}", doc_format).elements)
+        assert "naïve résumé" in text
+
+
+def test_stray_control_bytes_in_real_text_are_dropped_not_refused():
+    """A log with terminal colours, a NUL, a bell and a form feed is text; the control bytes are not indexed."""
+    log = "".join(f"\x1b[32mINFO\x1b[0m request {i} served for the zebra gateway\n" for i in range(50))
+    data = (PROSE[:300] + "\x07\x00\x00" + PROSE[300:] + "\x0c\n" + log).encode()
+    for doc_format in ("txt", "csv"):  # csv refused control bytes (lxml: "All strings must be XML compatible")
+        text = "\n".join(e.text for e in parse_bytes(data, f"notes.{doc_format}", doc_format).elements)
+        assert "request 7 served" in text and "\x1b" not in text and "[32m" not in text
+        assert not any(ch in text for ch in "\x00\x07")
+
+
+def test_markup_nested_past_the_parsers_depth_fails_instead_of_losing_text():
+    """HTML's parser (libxml2) stops at 256 levels of nesting and unstructured kept what came before: the rest of the
+    file was dropped without a word (a Markdown file of nested quotes goes through the same parser). Nesting that
+    deep fails the file; 100,000 levels of <div> and 50,000 of `>` cost that file, not the worker or the run."""
+    closing = "Closing words about zebras."
+    fine = (b"<p>Intro about okapis.</p>" + b"<div>" * 200 + b"deep text" + b"</div>" * 200
+            + f"<p>{closing}</p>".encode())
+    assert [e.text for e in parse_bytes(fine, "deep.html", "html").elements][-1] == closing
+    cases = {
+        "deep.html": b"<p>Intro about okapis.</p>" + b"<div>" * 300 + b"deep text" + b"</div>" * 300
+                     + f"<p>{closing}</p>".encode(),
+        "deeper.html": b"<html><body>" + b"<div>" * 100_000 + b"deep text" + b"</div>" * 100_000 + b"</body></html>",
+        "quotes.md": f"Intro about okapis.\n\n{'>' * 50_000} deep quote\n\n{closing}\n".encode(),
+    }
+    for name, data in cases.items():
+        with pytest.raises(ParseError, match="stopped before the end of the file .*Excessive depth") as refused:
+            parse_bytes(data, name, name.rsplit(".", 1)[1])
+        assert "\n" not in str(refused.value)
+    # The parser's other limit: a paragraph over 10 MB was cut, and only "Intro about okapis." was indexed.
+    long_paragraph = b"<p>Intro about okapis.</p><p>" + b"word " * 2_500_000 + f"</p><p>{closing}</p>".encode()
+    with pytest.raises(ParseError, match="stopped before the end of the file .*Buffer size limit"):
+        parse_bytes(long_paragraph, "log.html", "html")
 
 
 def test_the_parser_version_is_kbs_recipe_and_the_installed_unstructured_shown_as_the_assets_code_version():

@@ -36,7 +36,7 @@ from pipelines.ingest.parse import PARSER_VERSION
 from pipelines.ingest.report import NO_PROGRESS, Progress, StageReport
 from pipelines.settings import Limits
 from pipelines.sources.declarations import Source, add_coverage, load_sources, narrower
-from pipelines.sources.files import RootChanged, host, identity, open_below, open_root
+from pipelines.sources.files import RootChanged, host, identity, open_below, open_root, walk_below
 from pipelines.sources.overlaps import below, place
 from pipelines.storage import bulk
 from pipelines.storage.locks import LOCK_NAMESPACE
@@ -127,7 +127,7 @@ def walk_folder(crawl: Crawl, known: Known, progress: Progress = NO_PROGRESS) ->
     with open_root(root, crawl.known_root) as root_fd:
         crawl.root_identity = identity(root_fd)
         listed: list[str] = []
-        for dirpath, dirnames, filenames, dir_fd in os.fwalk(".", dir_fd=root_fd, onerror=unreadable):
+        for dirpath, dirnames, filenames, dir_fd in walk_below(root_fd, onerror=unreadable):
             dirnames[:] = sorted(d for d in dirnames if not d.startswith(".")
                                  and os.path.normpath(os.path.join(dirpath, d)) not in crawl.nested
                                  and not _another_root(crawl, d, dir_fd, os.path.normpath(os.path.join(dirpath, d))))

@@ -7,9 +7,11 @@ file expands to, so that one hostile file costs that file and never the run. The
 file once, below the source root and without following links (pipelines/sources/files.py), checks that the bytes
 are the ones the crawl hashed, and ships those bytes to a worker: a local process, or a dask worker on another
 machine (`kb ingest --dask`, a Dagster run on the dask executor) that needs no access to the source's mount, and
-"no file outside a source is read" is enforced in one place. Plain text is split into paragraphs by kb itself,
-in linear time and memory (unstructured's text partitioner tokenizes every paragraph: a 229 KB one-paragraph file
-took 1.3 GB).
+"no file outside a source is read" is enforced in one place. The bytes of a text format are decoded by kb
+(pipelines/ingest/decoding.py), which refuses binary data under a text name, and parsers get that text. Plain text
+is split into paragraphs by kb itself, in linear time and memory (unstructured's text partitioner tokenizes every
+paragraph: a 229 KB one-paragraph file took 1.3 GB). A file whose markup is nested deeper than the HTML parser
+reads fails, rather than losing its text past that point.
 
 A file that failed to parse is not parsed again while its bytes are unchanged: the failure is reported from the
 record (`failures`), until the file changes or the run is asked to retry (`kb ingest --retry-failed`).
@@ -36,6 +38,7 @@ from typing import Iterator
 
 import psycopg
 
+from pipelines.ingest.decoding import NotText, decode_text
 from pipelines.ingest.elements import Element, ParsedDocument, without_nul, write_elements
 from pipelines.ingest.failures import Failure, clear_failures, record_failure
 from pipelines.ingest.file_metadata import file_metadata
@@ -50,15 +53,17 @@ from pipelines.sources.files import NotARegularFile, OutsideSource, host, read_b
 STAGE = "parse"
 # kb's own recipe: bump it when what kb makes of the same bytes changes (this module's elements, titles or metadata,
 # file_metadata.py, or extract.record_elements for JSONL records), so that stored elements are made again.
-PARSE_RECIPE = "parse-1"
+PARSE_RECIPE = "parse-2"  # 2: text formats decoded by kb (pipelines/ingest/decoding.py); markup cut short fails
 # What made a document's elements: the recipe and the installed unstructured, read from its metadata without
 # importing it. Stored with the elements; the parsed_elements asset's code version (pipelines/ingest/flow.py).
 PARSER_VERSION = f"{PARSE_RECIPE}+unstructured-{importlib.metadata.version('unstructured')}"
 # Page furniture and empty shells carry no retrievable text.
 SKIPPED_CATEGORIES = {"PageBreak", "Image", "Header", "Footer", "PageNumber", "Formula"}
 ZIP_FORMATS = {"docx", "pptx", "xlsx"}  # Office Open XML: a zip archive a small file can expand from
-TEXT_FORMATS = {"txt", "md", "csv", "html", "eml"}
-BINARY_NUL_SHARE = 0.1  # text with more NUL bytes than this is binary (or UTF-16), not the UTF-8 kb reads
+TEXT_FORMATS = {"txt", "md", "csv", "html", "eml"}  # decoded by kb: binary data under these names is refused
+# Given to their parser as the text kb decoded (UTF-8): an e-mail is not, its headers name its parts' charsets.
+DECODED_FORMATS = {"txt", "md", "csv", "html"}
+MARKUP_FORMATS = {"html", "md", "eml"}  # read by unstructured's HTML parser (Markdown becomes HTML, mail may hold it)
 
 
 class ParseError(ValueError):
@@ -95,23 +100,49 @@ PARTITIONERS = {
 }
 
 
-def _partition(data: bytes, name: str, doc_format: str) -> list:
+def _partition(data: bytes, text: str | None, name: str, doc_format: str) -> list:
     if doc_format not in PARTITIONERS:
         raise ParseError(f"no parser for format {doc_format!r}")
     offline_spacy()
     module, function, extra = PARTITIONERS[doc_format]
     partition = getattr(importlib.import_module(module), function)
-    return partition(file=io.BytesIO(data), metadata_filename=name, languages=["eng"], **extra)
+    source = ({"file": io.BytesIO(text.encode()), "encoding": "utf-8"} if doc_format in DECODED_FORMATS
+              else {"file": io.BytesIO(data)})
+    parser = _fresh_html_parser() if doc_format in MARKUP_FORMATS else None
+    raw = partition(metadata_filename=name, languages=["eng"], **source, **extra)
+    if parser is not None:
+        _check_read_to_the_end(parser)
+    return raw
+
+
+def _fresh_html_parser():
+    """unstructured's one lxml HTML parser (a module global of its HTML partitioner; private: if unstructured
+    changes it, tests/test_parse.py::test_markup_nested_past_the_parsers_depth_fails_instead_of_losing_text fails),
+    with the error log of its last document replaced by that of an empty one."""
+    from lxml import etree
+    from unstructured.partition.html.parser import html_parser
+
+    etree.fromstring("<p></p>", html_parser)
+    return html_parser
+
+
+def _check_read_to_the_end(parser) -> None:
+    """libxml2 stops reading at 256 levels of nesting (and at other resource limits) with a fatal error, and
+    unstructured keeps what it read before: the rest of the file would be lost without a word. It is a failure."""
+    fatal = next((error for error in parser.error_log if error.level_name == "FATAL"), None)
+    if fatal is not None:
+        raise ParseError(f"the parser stopped before the end of the file ({fatal.message.split(',')[0].strip()}), so"
+                         " its text past that point would be lost")
 
 
 _PARAGRAPH_BREAK = re.compile(r"\n[ \t\r\f\v]*\n")
 _SENTENCE_END = (".", "!", "?", ":", ";", ",")
 
 
-def plain_text_elements(data: bytes) -> list[Element]:
+def plain_text_elements(text: str) -> list[Element]:
     """Paragraphs of a plain-text file (or log), split on blank lines in one pass. A single short line without a
     sentence's end, followed by more text, is a heading, as unstructured would read it."""
-    paragraphs = [p.strip() for p in _PARAGRAPH_BREAK.split(without_nul(data.decode("utf-8", "replace")))]
+    paragraphs = [p.strip() for p in _PARAGRAPH_BREAK.split(text)]
     paragraphs = [p for p in paragraphs if p]
     elements, heading = [], None
     for i, paragraph in enumerate(paragraphs):
@@ -164,17 +195,6 @@ def check_expansion(data: bytes, doc_format: str, limit_mb: float) -> None:
                          " (KB_MAX_UNZIPPED_MB)")
 
 
-def check_text(data: bytes, doc_format: str) -> None:
-    """Refuse a text file that is binary: a few stray NUL bytes are dropped from the text, many mean it is not text."""
-    if doc_format not in TEXT_FORMATS:
-        return
-    head = data[:1 << 16]
-    share = head.count(0) / max(len(head), 1)
-    if share > BINARY_NUL_SHARE:
-        raise ParseError(f"not a text file: {share:.0%} of its first bytes are NUL (binary data, or UTF-16 text;"
-                         " kb reads UTF-8)")
-
-
 def parse_file(path: str, doc_format: str, limits: Limits = Limits()) -> ParsedDocument:
     """Parse the file at `path` (tools and tests; the parse stage reads files below their source root)."""
     return parse_bytes(Path(path).read_bytes(), Path(path).name, doc_format, limits)
@@ -183,9 +203,13 @@ def parse_file(path: str, doc_format: str, limits: Limits = Limits()) -> ParsedD
 def parse_bytes(data: bytes, name: str, doc_format: str, limits: Limits = Limits()) -> ParsedDocument:
     """Parse one file's bytes (`name` is its file name); raises ParseError with the reason when it yields no text."""
     check_expansion(data, doc_format, limits.max_unzipped_mb)
-    check_text(data, doc_format)
     try:
-        elements = plain_text_elements(data) if doc_format == "txt" else to_elements(_partition(data, name, doc_format))
+        text = decode_text(data, name) if doc_format in TEXT_FORMATS else None
+    except NotText as exc:
+        raise ParseError(str(exc)) from None
+    try:
+        elements = (plain_text_elements(text) if doc_format == "txt"
+                    else to_elements(_partition(data, text, name, doc_format)))
     except ParseError:
         raise
     except Exception as exc:  # unstructured and its parsers raise many types for corrupt files

@@ -9,6 +9,9 @@ one recorded when the source was first crawled on this host: a root replaced by 
 one, is refused and nothing is read or deleted.
 
 A source that declares `allow_outside_links` opts out: its files are opened by path, following links.
+
+A folder source is listed the same way (`walk_below`): every folder is opened below its parent's descriptor
+without following links, and the walk stops at MAX_FOLDER_DEPTH levels.
 """
 
 from __future__ import annotations
@@ -17,12 +20,16 @@ import errno
 import os
 import socket
 import stat
+import posixpath
 from contextlib import contextmanager
 from pathlib import Path, PurePosixPath
-from typing import Iterator
+from typing import Callable, Iterator
 
 DIRECTORY = os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC
 READ_NO_LINKS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+# Folder levels below a source root that a crawl enters (docs/bad-days.md). Real trees are a few dozen deep; past
+# this a folder is one failure, like an unreadable one. It also bounds the descriptors a walk holds open.
+MAX_FOLDER_DEPTH = 256
 
 
 class OutsideSource(ValueError):
@@ -35,6 +42,13 @@ class NotARegularFile(ValueError):
 
 class RootChanged(OSError):
     """The source's root is not the folder (or file) this host crawled before."""
+
+
+class FolderTooDeep(OSError):
+    """A folder nested deeper than MAX_FOLDER_DEPTH below the source root: not entered."""
+
+    def __init__(self, relpath: str) -> None:
+        super().__init__(errno.ELOOP, f"nested deeper than {MAX_FOLDER_DEPTH} levels; its files were not read", relpath)
 
 
 def host() -> str:
@@ -124,3 +138,77 @@ def read_below(root: Path, known_root: str | None, relpath: str, follow_links: b
     """The bytes of the file at `relpath` in the source folder `root`, read as `open_below` opens it."""
     with open_root(root, known_root) as root_fd:
         return read_all(open_below(root_fd, relpath, root, follow_links), limit_bytes)
+
+
+def walk_below(root_fd: int, onerror: Callable[[OSError], None]) -> Iterator[tuple[str, list[str], list[str], int]]:
+    """os.fwalk(".", dir_fd=root_fd) without its recursion: (dirpath, dirnames, filenames, dir_fd) for each folder,
+    top down, dirpath relative to the root ("." for the root). As with os.fwalk, the caller may prune and reorder
+    dirnames in place; the walk enters them in that order.
+
+    os.fwalk recurses in Python, so a folder 1,100 deep stopped the whole run with RecursionError, and it holds a
+    descriptor for every level. Here a list of pending folders replaces the recursion; each folder is opened below
+    its parent's descriptor with O_NOFOLLOW, and only the folders from the root down to the one being listed are
+    open (at most MAX_FOLDER_DEPTH). A link is never entered: a link to a folder is in neither list (as os.fwalk
+    never enters it); any other link is a file name, refused when it is opened. A folder deeper than
+    MAX_FOLDER_DEPTH is not entered (FolderTooDeep), and one that cannot be opened or listed is skipped; both go to
+    `onerror` with `filename` set to the folder's path relative to the root, so that what is stored under it is
+    kept (os.fwalk gave only the last component of the name)."""
+    try:
+        dirnames, filenames = _list_folder(root_fd)
+    except OSError as exc:
+        exc.filename = "."
+        onerror(exc)
+        return
+    yield ".", dirnames, filenames, root_fd
+    pending = _below(".", dirnames, onerror)  # folders still to list, the next one last
+    opened: list[tuple[str, int]] = []  # the folders open below the root, each the parent of the next
+    try:
+        while pending:
+            dirpath = pending.pop()
+            parent = posixpath.dirname(dirpath)
+            while opened and opened[-1][0] != parent:  # done with the folders between here and the last one listed
+                os.close(opened.pop()[1])
+            try:
+                fd = os.open(posixpath.basename(dirpath), DIRECTORY | os.O_NOFOLLOW,
+                             dir_fd=opened[-1][1] if opened else root_fd)
+                opened.append((dirpath, fd))
+                dirnames, filenames = _list_folder(fd)
+            except OSError as exc:
+                exc.filename = dirpath
+                onerror(exc)
+                continue
+            yield dirpath, dirnames, filenames, fd
+            pending += _below(dirpath, dirnames, onerror)
+    finally:
+        for _, fd in opened:
+            os.close(fd)
+
+
+def _below(dirpath: str, dirnames: list[str], onerror: Callable[[OSError], None]) -> list[str]:
+    """The paths of the subfolders to enter, the first one last (the walk pops from the end); one past
+    MAX_FOLDER_DEPTH goes to `onerror` instead."""
+    below = []
+    for name in dirnames:
+        relpath = posixpath.normpath(posixpath.join(dirpath, name))
+        if relpath.count("/") >= MAX_FOLDER_DEPTH:  # a path of n folders has n - 1 slashes
+            onerror(FolderTooDeep(relpath))
+        else:
+            below.append(relpath)
+    return below[::-1]
+
+
+def _list_folder(fd: int) -> tuple[list[str], list[str]]:
+    """The names of the open folder's subfolders and of its other entries, as os.fwalk sorts them: a link to a
+    folder is in neither list, a link that cannot be followed (a loop, a dangling link) is among the others."""
+    folders, others = [], []
+    with os.scandir(fd) as entries:
+        for entry in entries:
+            try:
+                if entry.is_dir(follow_symlinks=False):
+                    folders.append(entry.name)
+                elif not entry.is_dir():
+                    others.append(entry.name)
+            except OSError:  # a link that cannot be followed; anything else vanished meanwhile
+                if entry.is_symlink():
+                    others.append(entry.name)
+    return folders, others
