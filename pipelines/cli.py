@@ -1039,7 +1039,8 @@ def source_update(name, location, include, exclude, clear_globs, groups, public,
 @click.argument("name")
 @click.option("--json", "as_json", is_flag=True)
 def source_remove(name, as_json):
-    """Stop serving a source: its documents are soft-deleted (history kept; `kb source add` brings it back)."""
+    """Stop serving a source: its documents are soft-deleted; its history stays under NAME~N, readable as of a past
+    time by the groups that could read it. The name is free: declaring it again makes a new source."""
     from pipelines.sources.declarations import actor, remove_source
     from pipelines.storage.database import connect
 
