@@ -7,6 +7,7 @@ import json
 import subprocess
 import os
 import sys
+from datetime import datetime, timezone
 from pathlib import Path
 
 import pytest
@@ -159,3 +160,131 @@ def test_restricting_a_folder_below_a_mount_point_hides_nothing_until_the_public
     assert out.returncode == 0, out.stdout + out.stderr
     moved = conn.execute("SELECT count(*) FROM documents WHERE source_id = 'hr'").fetchone()[0]
     assert not holds_secret(found(conn, embedder, QUERY)), f"still public after hr was declared ({moved} moved)"
+
+
+def test_migration_015_leaves_source_coverage_empty_so_old_history_of_a_restricted_folder_stays_public(
+        settings, tmp_path):
+    """Items 3 and sql/015 on an existing database. Before 015 a restricted source could already be declared inside
+    a public one; the public source's own versions of the files there (crawled before the restriction) were merely
+    soft-deleted, so its history of them stays. 015 creates source_coverage EMPTY and nothing fills it at migration:
+    until some later declaration change or crawl of the outer source happens to call refresh_coverage, every
+    caller reads those versions as of a past time (for a removed outer source, never re-crawled, until any
+    unrelated `kb source add`)."""
+    import numpy as np
+    import psycopg
+
+    from pipelines.storage.database import connect
+    from pipelines.storage.migrations import migrate
+    from pipelines.storage.vectors import ensure_vector_store
+    from tests.test_migrations import _migrations_through
+
+    data = tmp_path / "data"
+    (data / "hr").mkdir(parents=True)
+    with psycopg.connect(settings.database_url, autocommit=True) as raw:
+        migrate(raw, _migrations_through(tmp_path, 14))
+        raw.execute("INSERT INTO sources (source_id, kind, location) VALUES ('pub', 'folder', %s)", (str(data),))
+        raw.execute("INSERT INTO sources (source_id, kind, location, allowed_groups) VALUES"
+                    " ('hr', 'folder', %s, ARRAY['hr'])", (str(data / "hr"),))
+        for locator, text, valid_to, deleted in (("hr/bonus.md", SECRET, "2026-02-01", "2026-02-01"),
+                                                  ("canteen.md", PUBLIC, None, None)):
+            document = raw.execute("INSERT INTO documents (source_id, locator, doc_format, size_bytes, content_hash,"
+                                   " deleted_at) VALUES ('pub', %s, 'md', 1, %s, %s) RETURNING document_id",
+                                   (locator, locator, deleted)).fetchone()[0]
+            raw.execute("INSERT INTO chunks (document_id, ordinal, kind, text, embed_prefix, text_hash, section_path,"
+                        " token_count, chunker_version, enrich_version, valid_from, valid_to)"
+                        " VALUES (%s, 0, 'text', %s, '', %s, '{}', 12, 'c', 'e', '2026-01-01', %s)",
+                        (document, text, locator, valid_to))
+        migrate(raw)
+        coverage = raw.execute("SELECT count(*) FROM source_coverage").fetchone()[0]
+    with connect(settings) as conn:
+        ensure_vector_store(conn, "none:4", 4)
+        hits = search(conn, None, QUERY, 5, arm="lexical", vector=np.zeros(4, dtype=np.float32), model_key="none:4",
+                      filters=Filters(as_of=datetime(2026, 1, 15, tzinfo=timezone.utc)))
+    assert not any("zebra" in h.content for h in hits), f"source_coverage rows after 015: {coverage}"
+
+
+def test_as_of_bm25_statistics_count_documents_the_caller_may_not_read(conn, embedder, tmp_path):
+    """Item 3 / docs "What a caller sees never depends on documents it cannot see". A removed source's history
+    keeps its readers; the part of it a restricted source now covers is hidden, but its chunks stay in that
+    source's statistics history. As of a past time a caller's BM25 scores (corpus size, document frequencies)
+    count the hidden documents: two callers reading identical visible text get different scores, and a caller can
+    probe which words the hidden documents hold."""
+    data, ctl = tmp_path / "data", tmp_path / "ctl"
+    (data / "hr").mkdir(parents=True)
+    ctl.mkdir()
+    for folder in (data, ctl):
+        (folder / "canteen.md").write_text(f"# Canteen\n\n{PUBLIC}\n")
+    (data / "hr" / "bonus.md").write_text(f"# Bonus pool\n\n{SECRET} The canteen okapi budget is separate.\n")
+    kb("source", "add", "staff", str(data), "--group", "staff")
+    kb("source", "add", "ctl", str(ctl), "--group", "ctl")
+    kb("ingest")
+    then = now(conn)
+    kb("source", "remove", "staff")
+    kb("source", "remove", "ctl")
+    kb("source", "add", "hr", str(data / "hr"), "--group", "hr")
+
+    def scores(groups):
+        return [(h.document, round(h.lexical_score, 6)) for h in search(
+            conn, embedder, "okapi canteen", 5, arm="lexical", filters=Filters(groups=groups, as_of=then))]
+
+    staff, control = scores(["staff"]), scores(["ctl"])
+    assert [d for d, _ in staff] == [d for d, _ in control] == ["canteen.md"]  # the same visible text, nothing else
+    assert staff == control, "the hidden hr/bonus.md changes the staff caller's as-of scores"
+
+
+def test_as_of_hybrid_search_reads_the_query_class_from_todays_statistics(conn, embedder, tmp_path):
+    """Item 10. As-of BM25 uses the statistics of that time, but the query classifier (which sets the lexical
+    weight of the fusion and `exact_first`) still reads today's lexical_terms/lexical_stats: a code that was rare
+    then and is gone now makes an as-of hybrid search weigh and order results differently from how they ranked
+    then. (The same live statistics weigh an as-of answer's question terms, pipelines/answers/evidence.py.)"""
+    from pipelines.retrieval.search import search_explained
+
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    (docs / "A.md").write_text("# Alarm codes\n\nThe alarm code AAA-1111 opens the east gate after hours.\n")
+    (docs / "B.md").write_text("# Gates\n\nThe east gate closes at ten; the west gate at nine.\n")
+    kb("source", "add", "docs", str(docs), "--public")
+    kb("ingest")
+    then = now(conn)
+    query = "AAA-1111 east gate"
+    was_class, was_hits = search_explained(conn, embedder, query, 5)
+    (docs / "A.md").write_text("# Alarm codes\n\nAlarm codes are now issued by the security desk.\n")
+    kb("ingest")
+    as_of_class, as_of_hits = search_explained(conn, embedder, query, 5, filters=Filters(as_of=then))
+    assert (as_of_class.kind, as_of_class.lexical_weight) == (was_class.kind, was_class.lexical_weight)
+    assert [(h.chunk_id, round(h.score, 6)) for h in as_of_hits] == [(h.chunk_id, round(h.score, 6)) for h in was_hits]
+
+
+def test_a_failed_backfill_shard_is_recorded_as_succeeded_when_a_later_shard_finishes(settings, conn, embedder,
+                                                                                      share):
+    """Item 14. Every shard of one backfill writes the same ingest_runs row (one Dagster run id), and each finish
+    overwrites `counters` and `finished_at`: shard 0 fails (after its retries), shard 1 then succeeds, and the run
+    is recorded as succeeded, its failure gone from `kb status` and the row. (Shards running side by side also set
+    finished_at while others still run.)"""
+    from pipelines.ingest.flow import stage
+    from pipelines.ingest.run import IngestRun
+
+    kb("source", "add", "pub", str(share), "--public")
+    with pytest.raises(RuntimeError):
+        with IngestRun.open(conn, settings, embedder, started_by="dagster", external_run_id="backfill-1", shard="0"):
+            raise RuntimeError("shard 0: the embedding endpoint refused every batch")
+    with IngestRun.open(conn, settings, embedder, started_by="dagster", external_run_id="backfill-1",
+                        shard="1") as run:
+        run.run_stage(stage("embed"))
+    outcome = conn.execute("SELECT counters ->> 'outcome' FROM ingest_runs WHERE external_run_id = 'backfill-1'"
+                           ).fetchone()[0]
+    assert outcome != "succeeded", "the failed shard 0 is no longer recorded anywhere"
+
+
+def test_a_backfill_with_no_declared_source_fails_from_its_second_shard(settings, conn, embedder):
+    """Item 14. Shards share one ingest_runs row; with no source declared (a fresh deployment switching its model
+    before declaring sources, or every source removed) the second shard's upsert sets `sources` to
+    array_agg(nothing) = NULL and dies on the NOT NULL constraint: the backfill job fails for a reason that has
+    nothing to do with it."""
+    from pipelines.ingest.flow import stage
+    from pipelines.ingest.run import IngestRun
+
+    for shard in "01":
+        with IngestRun.open(conn, settings, embedder, started_by="dagster", external_run_id="backfill-2",
+                            shard=shard) as run:
+            run.run_stage(stage("embed"))
