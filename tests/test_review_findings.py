@@ -288,3 +288,39 @@ def test_a_backfill_with_no_declared_source_fails_from_its_second_shard(settings
         with IngestRun.open(conn, settings, embedder, started_by="dagster", external_run_id="backfill-2",
                             shard=shard) as run:
             run.run_stage(stage("embed"))
+
+
+
+def test_a_restricted_folder_renamed_on_disk_is_served_by_the_public_source_around_it(conn, embedder, share):
+    """Item 2. Someone renames the restricted folder on the share (hr -> hr-archive). The public source's walk asks
+    for the other sources' roots by their DECLARED path (os.stat(other.path)), which no longer exists, so the
+    renamed folder is crawled as pub's own and hr's files are served to everyone; the root identity kb recorded for
+    hr at its first crawl (sources.root_identities) is never consulted."""
+    kb("source", "add", "pub", str(share), "--public")
+    kb("source", "add", "hr", str(share / "hr"), "--group", "hr")
+    kb("ingest")
+    assert not holds_secret(found(conn, embedder, QUERY))
+    (share / "hr").rename(share / "hr-archive")
+    kb("ingest", "--source", "pub")
+    assert not holds_secret(found(conn, embedder, QUERY)), "hr's folder, renamed, is now pub's and public"
+
+
+def test_a_stale_vanished_mark_is_executed_by_a_later_run_whose_crawl_saw_nothing(settings, conn, embedder, share):
+    """Item 11. A crawl that cannot see its source deletes nothing, but the publish of the same run deletes every
+    document an EARLIER crawl marked vanished (a run stopped after extract, a subset run, a gate failure): here
+    canteen.md was briefly missing during an extract-only run, is back on disk, and the next run, whose crawl failed
+    because the share was unmounted, deletes it. The deletion rests on an observation the run did not make."""
+    from pipelines.ingest.flow import stage
+    from pipelines.ingest.run import IngestRun
+
+    kb("source", "add", "pub", str(share), "--public")
+    kb("ingest")
+    (share / "canteen.md").rename(share.parent / "canteen.md.tmp")  # an editor saving it: briefly gone
+    with IngestRun.open(conn, settings, embedder, ["pub"]) as run:
+        run.run_stage(stage("extract"))  # a subset run (Dagster: materialize `extract` only), or a run killed here
+    (share.parent / "canteen.md.tmp").rename(share / "canteen.md")
+    share.rename(share.parent / "unmounted")  # the next refresh finds the share unmounted: its crawl sees nothing
+    out = CliRunner().invoke(main, ["ingest", "--json"])
+    assert "cannot crawl source" in out.output
+    assert any("okapi" in c for _, _, c in found(conn, embedder, "okapi stew canteen")), \
+        "canteen.md was deleted by a run that could not see the source"
