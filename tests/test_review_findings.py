@@ -324,3 +324,51 @@ def test_a_stale_vanished_mark_is_executed_by_a_later_run_whose_crawl_saw_nothin
     assert "cannot crawl source" in out.output
     assert any("okapi" in c for _, _, c in found(conn, embedder, "okapi stew canteen")), \
         "canteen.md was deleted by a run that could not see the source"
+
+
+
+@pytest.fixture
+def two_files(tmp_path) -> tuple[Path, Path]:
+    """A share with hr/ inside, declared by two kb.toml files, each with locations relative to itself: the
+    handbook team's (pub, public, on the share) and HR's (hr, restricted, on share/hr)."""
+    share = tmp_path / "share"
+    (share / "hr").mkdir(parents=True)
+    (share / "canteen.md").write_text(f"# Canteen\n\n{PUBLIC}\n")
+    (share / "hr" / "bonus.md").write_text(f"# Bonus pool\n\n{SECRET}\n")
+    (tmp_path / "handbook").mkdir()
+    (tmp_path / "teams" / "hr").mkdir(parents=True)
+    handbook = tmp_path / "handbook" / "kb.toml"
+    handbook.write_text('[sources.pub]\nlocation = "../share"\npublic = true\n')
+    hr = tmp_path / "teams" / "hr" / "kb.toml"
+    hr.write_text('[sources.hr]\nlocation = "../../share/hr"\ngroups = ["hr"]\n')
+    kb("source", "apply", str(handbook))
+    kb("source", "apply", str(hr))
+    return handbook, hr
+
+
+def test_a_run_says_an_unchanged_kb_toml_changed_when_kb_config_names_another_file(conn, two_files, monkeypatch):
+    """Item 5. changed_since_applied compares EVERY declaring file's applied text with KB_CONFIG's file: with two
+    kb.toml files and KB_CONFIG set to one of them, every run warns that this file "changed since it was last
+    applied" although nothing changed, and tells the operator to re-apply it (a warning that is always there is a
+    warning no one reads, so a real unapplied edit goes unnoticed)."""
+    handbook, _ = two_files
+    monkeypatch.setenv("KB_CONFIG", str(handbook))
+    out = CliRunner().invoke(main, ["ingest"])
+    assert out.exit_code == 0, out.output
+    assert "changed since it was last applied" not in out.output
+
+
+def test_kb_config_resolves_every_files_relative_locations_so_overlaps_are_missed(conn, embedder, two_files,
+                                                                                  monkeypatch):
+    """Item 2 with KB_CONFIG. On a host that sets KB_CONFIG to its copy of the handbook's kb.toml (as
+    docs/sources-and-access.md says to), resolve_declared resolves EVERY file's relative locations against that
+    file's folder, so hr's folder is looked for in the wrong place. Until then a stale source_coverage row hides
+    what pub now crawls under hr/ (pub already re-crawled hr/bonus.md as its own), but the first change of pub
+    applied on that host recomputes coverage from the wrong places and hr's files are served to everyone."""
+    handbook, _ = two_files
+    kb("ingest")
+    monkeypatch.setenv("KB_CONFIG", str(handbook))
+    handbook.write_text('[sources.pub]\nlocation = "../share"\npublic = true\nfreshness_hours = 12\n')
+    kb("source", "apply")
+    kb("ingest", "--source", "pub")
+    assert not holds_secret(found(conn, embedder, QUERY)), "hr's folder is served by pub on the KB_CONFIG host"
