@@ -372,3 +372,16 @@ def test_kb_config_resolves_every_files_relative_locations_so_overlaps_are_misse
     kb("source", "apply")
     kb("ingest", "--source", "pub")
     assert not holds_secret(found(conn, embedder, QUERY)), "hr's folder is served by pub on the KB_CONFIG host"
+
+
+def test_a_run_config_sets_how_many_parse_processes_the_code_location_host_forks():
+    """Item 1 (low). The resource has no fields, but the executor's `multiprocess.max_concurrent` also becomes the
+    number of local PARSE processes of the run (assets/executors.py run_workers), overriding the deployment's
+    KB_PARSE_WORKERS: a launchpad user can make one refresh fork hundreds of parsers (each loads unstructured and
+    spaCy, several hundred MB) on the host. It is a deployment setting that a run config changes."""
+    from assets.executors import run_workers
+    from pipelines.settings import load_settings
+
+    settings = load_settings()
+    workers = run_workers({"execution": {"config": {"multiprocess": {"max_concurrent": 500}}}}, settings)
+    assert workers.processes <= settings.parse_workers, workers
