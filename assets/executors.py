@@ -97,7 +97,10 @@ def run_workers(run_config: dict, settings: Settings) -> Workers:
     many local processes as multiprocess may run at once (else KB_PARSE_WORKERS)."""
     (kind, config), = (run_config.get("execution", {}).get("config") or {"in_process": {}}).items()
     if kind == "dask":
-        address = config["address"]  # a StringSource: the address, or {"env": VARIABLE}
-        return Workers(dask=deployment_scheduler(os.environ.get(address["env"]) if isinstance(address, dict)
-                                                 else address))
-    return Workers((config or {}).get("max_concurrent") or settings.parse_workers)
+        # A StringSource: the address, or {"env": VARIABLE}. The executor checked it was the deployment's before
+        # any step started (this runs in the step, maybe on a worker of that cluster, whose environment is not the
+        # code location's).
+        address = config["address"]
+        return Workers(dask=os.environ[address["env"]] if isinstance(address, dict) else address)
+    # At most the deployment's KB_PARSE_WORKERS: a run chooses where its steps run, not how many processes it forks.
+    return Workers(max(1, min((config or {}).get("max_concurrent") or settings.parse_workers, settings.parse_workers)))

@@ -29,6 +29,25 @@ CREATE TABLE source_coverage (
     prefix     text NOT NULL,               -- a locator, or a folder of locators; '' = every document
     PRIMARY KEY (source_id, covered_by, prefix)
 );
+-- What the declarations already say, from their paths' text (a restricted source declared inside a public one
+-- before this migration left the public one's history of those files readable by all). The next declaration or
+-- crawl decides again on what the folders really are (pipelines/sources/overlaps.py).
+WITH paths AS (
+    SELECT source_id, kind, removed_at IS NULL AND allowed_groups IS NOT NULL AS restricting,
+           rtrim(CASE WHEN location LIKE '/%' OR declared_in IS NULL THEN location
+                      ELSE regexp_replace(declared_in, '/[^/]*$', '') || '/' || location END, '/') AS path
+    FROM sources
+)
+INSERT INTO source_coverage (source_id, covered_by, prefix)
+SELECT s.source_id, r.source_id,
+       CASE WHEN s.path = r.path OR s.path ^@ (r.path || '/') THEN '' ELSE substr(r.path, length(s.path) + 2) END
+FROM paths r JOIN paths s ON s.source_id <> r.source_id
+WHERE r.restricting
+  AND (s.path = r.path OR s.path ^@ (r.path || '/') OR (s.kind = 'folder' AND r.path ^@ (s.path || '/')));
+
+-- The documents of a source under a path prefix, found by a range of the C-ordered locator (search takes what a
+-- caller may not read out of the statistics: sql/queries/hybrid_search.sql).
+CREATE INDEX documents_by_path ON documents (source_id, (locator COLLATE "C"));
 
 ALTER TABLE sources ADD COLUMN declared_hash text;
 ALTER TABLE documents ADD COLUMN vanished_at timestamptz;

@@ -138,7 +138,7 @@ def test_a_cli_run_is_visible_in_the_instance_with_the_assets_metadata(conn, ins
     folder = tmp_path / "notes"
     folder.mkdir()
     (folder / "a.md").write_text("# A\n\nThe okapi lives in the Ituri forest.\n")
-    out = subprocess.run([str(BIN / "kb"), "ingest", str(folder), "--source", "notes"], capture_output=True,
+    out = subprocess.run([str(BIN / "kb"), "ingest", str(folder), "--source", "notes", "--public"], capture_output=True,
                          text=True, env=os.environ.copy(), timeout=600)
     assert out.returncode == 0, out.stderr
     assert "declared source notes" in out.stderr  # kb ingest PATH says what it declared
@@ -191,7 +191,7 @@ def test_a_source_named_like_the_samples_is_not_held_to_their_golden_set(tmp_pat
     against the bundled samples' queries (they used to be, and were refused)."""
     records = tmp_path / "faq.jsonl"
     records.write_text(json.dumps({"_id": "vpn", "title": "VPN", "text": "Reset your VPN token in the portal."}) + "\n")
-    out = subprocess.run([str(BIN / "kb"), "ingest", str(records), "--source", "faq", "--json"],
+    out = subprocess.run([str(BIN / "kb"), "ingest", str(records), "--source", "faq", "--public", "--json"],
                          capture_output=True, text=True, env=os.environ.copy(), timeout=600)
     assert out.returncode == 0, out.stdout + out.stderr
     assert json.loads(out.stdout)["documents_published"] == 1

@@ -225,20 +225,22 @@ def test_kb_ingest_with_a_dask_scheduler_that_does_not_answer_is_one_error_line(
 
 
 def test_a_refresh_parses_with_the_workers_its_executor_has(settings, monkeypatch):
-    from assets.executors import UndeclaredCluster, run_workers
+    from assets.executors import UndeclaredCluster, deployment_scheduler, run_workers
     from pipelines.ingest.workers import Workers
 
     def workers(execution: dict | None) -> Workers:
         return run_workers({"execution": {"config": execution}} if execution else {}, settings)
 
     assert workers(None) == workers({"in_process": {}}) == Workers(settings.parse_workers)
-    assert workers({"multiprocess": {"max_concurrent": 3}}) == Workers(3)
+    assert workers({"multiprocess": {"max_concurrent": 500}}) == Workers(settings.parse_workers)  # capped
+    assert workers({"multiprocess": {"max_concurrent": 1}}) == Workers(1)
     assert workers({"multiprocess": {}}) == Workers(settings.parse_workers)
     monkeypatch.setenv("KB_DASK_SCHEDULER", "tcp://10.0.0.5:8786")
     assert workers({"dask": {"address": "tcp://10.0.0.5:8786"}}) == Workers(dask="tcp://10.0.0.5:8786")
     assert workers({"dask": {"address": {"env": "KB_DASK_SCHEDULER"}}}) == Workers(dask="tcp://10.0.0.5:8786")
+    assert deployment_scheduler("tcp://10.0.0.5:8786") == "tcp://10.0.0.5:8786"
     with pytest.raises(UndeclaredCluster, match="names the dask scheduler 'tcp://203.0.113.9:8786'"):
-        workers({"dask": {"address": "tcp://203.0.113.9:8786"}})  # a cluster the deployment never declared
+        deployment_scheduler("tcp://203.0.113.9:8786")  # a cluster the deployment never declared: the executor refuses
 
 
 def _wait_for(marker: str) -> str:

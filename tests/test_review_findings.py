@@ -65,7 +65,8 @@ def test_a_file_link_in_a_public_source_serves_a_restricted_sources_file(conn, e
     config.write_text('[sources.hr]\nlocation = "hr"\ngroups = ["hr"]\n\n'
                       '[sources.pub]\nlocation = "pub"\npublic = true\nallow_outside_links = true\n')
     kb("source", "apply", str(config))
-    kb("ingest")
+    refused = kb("ingest", expect=3)  # the link is one file's failure, named
+    assert "pub:bonus.md" in refused and "the folder of source 'hr', which only groups hr may read" in refused
     assert holds_secret(found(conn, embedder, QUERY, ["hr"]))
     assert not holds_secret(found(conn, embedder, QUERY)), "hr's file is served to everyone through pub's link"
 

@@ -94,7 +94,8 @@ def answer_question(conn: psycopg.Connection, settings: Settings, question: str,
     contexts = _contexts(conn, hits)
     if compress:
         contexts = _compressed(embedder, question_vector, contexts)
-    terms = ev.question_terms(conn, question, readable(conn, filters.groups, filters.source_id, filters.as_of).keys)
+    terms = ev.question_terms(conn, question, readable(conn, filters.groups, filters.source_id, filters.as_of).keys,
+                              filters.as_of)
     lexemes = _read_contexts(conn, contexts, terms)
     held = code_holders(contexts, query_class.identifiers, ev.question_codes(question))
     scope = [c for c in contexts if c.n <= EXTRACT_CONTEXTS or c.n in held]  # what may answer

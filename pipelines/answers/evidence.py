@@ -16,6 +16,7 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import dataclass
+from datetime import datetime
 
 import numpy as np
 import psycopg
@@ -49,10 +50,9 @@ CARD_MATCH = 0.7  # a Q&A card whose question is at least this close to the ques
 SUPPORT_MIN = 0.6  # a claim is supported by a context holding this share of its words, and each of its numbers
 
 QUESTION_TERMS = """
-SELECT u.lexeme, coalesce(sum(t.df), 0)::float8
+SELECT u.lexeme, coalesce(s.df, 0)::float8
 FROM unnest(tsvector_to_array(kb_lexemes(%(question)s))) AS u(lexeme)
-LEFT JOIN lexical_terms t ON t.term = u.lexeme AND t.source_key = ANY(%(source_keys)s)
-GROUP BY u.lexeme
+LEFT JOIN kb_term_stats(tsvector_to_array(kb_lexemes(%(question)s)), %(source_keys)s, %(as_of)s) AS s ON s.term = u.lexeme
 """
 TEXT_LEXEMES = ("SELECT tsvector_to_array(kb_lexemes(t)) FROM unnest(%s::text[]) WITH ORDINALITY AS u(t, n)"
                 " ORDER BY n")
@@ -62,11 +62,13 @@ _TOKEN = re.compile(r"[A-Za-z0-9]+(?:[-_./#][A-Za-z0-9]+)*")
 _DIGITS = re.compile(r"\d+(?:[.,]\d+)*")
 
 
-def question_terms(conn: psycopg.Connection, question: str, source_keys: list[int]) -> dict[str, float]:
-    """The question's lexemes weighted by their idf over the readable chunks: a word no readable chunk holds weighs
-    the most, a word most chunks hold almost nothing."""
-    chunks = conn.execute(READABLE_CHUNKS, {"source_keys": source_keys}).fetchone()[0]
-    rows = conn.execute(QUESTION_TERMS, {"question": question, "source_keys": source_keys}).fetchall()
+def question_terms(conn: psycopg.Connection, question: str, source_keys: list[int],
+                   as_of: datetime | None = None) -> dict[str, float]:
+    """The question's lexemes weighted by their idf over the readable chunks (as they were at `as_of` for a read of
+    the past): a word no readable chunk holds weighs the most, a word most chunks hold almost nothing."""
+    stats = {"source_keys": source_keys, "as_of": as_of}
+    chunks = conn.execute(READABLE_CHUNKS, stats).fetchone()[0]
+    rows = conn.execute(QUESTION_TERMS, {"question": question, **stats}).fetchall()
     return {lexeme: math.log(1 + (chunks - df + 0.5) / (df + 0.5)) for lexeme, df in rows}
 
 

@@ -36,8 +36,8 @@ from pipelines.ingest.parse import PARSER_VERSION
 from pipelines.ingest.report import NO_PROGRESS, Progress, StageReport
 from pipelines.settings import Limits
 from pipelines.sources.declarations import Source, add_coverage, load_sources, narrower
-from pipelines.sources.files import RootChanged, host, identity, open_below, open_root, walk_below
-from pipelines.sources.overlaps import below, place
+from pipelines.sources.files import OutsideSource, RootChanged, host, identity, open_below, open_root, walk_below
+from pipelines.sources.overlaps import Place, below, mounts_below, place
 from pipelines.storage import bulk
 from pipelines.storage.locks import LOCK_NAMESPACE
 
@@ -66,7 +66,8 @@ class Crawl:
     root_identity: str | None = None  # what this crawl opened
     nested: frozenset[str] = frozenset()  # paths of other sources inside this one's folder: theirs, not crawled here
     roots: dict[str, Source] = field(default_factory=dict)  # device:inode of other sources' roots -> the source
-    found: dict[str, Source] = field(default_factory=dict)  # folders the walk found to be another source's root
+    narrower_places: list[tuple[Source, "Place"]] = field(default_factory=list)  # sources fewer callers may read
+    found: dict[str, "Owned"] = field(default_factory=dict)  # folders the walk found to be another source's root
     seen: set[str] = field(default_factory=set)
     unseen: list[str] = field(default_factory=list)  # folder prefixes ("" = all) the crawl could not read
     blind: bool = False  # some record could not be identified: the crawl cannot tell what is missing
@@ -166,13 +167,29 @@ def _another_root(crawl: Crawl, name: str, dir_fd: int, relpath: str) -> bool:
         return False
     owner = crawl.roots.get(f"{st.st_dev}:{st.st_ino}")
     if owner is not None:
-        crawl.found[relpath] = owner
+        crawl.found[relpath] = Owned(owner, "")
     return owner is not None
+
+
+def _check_link_target(crawl: Crawl, fd: int, relpath: str) -> None:
+    """A source that follows links outside its folder may still not read, through a link, a file of a source fewer
+    callers may read: that would serve it to more of them. The file as opened is compared, not the link's text."""
+    target = place(os.readlink(f"/proc/self/fd/{fd}"))
+    for other, there in crawl.narrower_places:
+        if there.holds(target):
+            raise OutsideSource(f"it leads into {other.path}, the folder of source {other.source_id!r}, which only"
+                                f" groups {', '.join(other.groups)} may read; it is not read")
 
 
 def _inspect_file(root_fd: int, root: Path, relpath: str, stored: tuple[int, datetime | None, str] | None,
                   crawl: Crawl) -> Found:
     fd = open_below(root_fd, relpath, root, crawl.source.allow_outside_links)
+    if crawl.source.allow_outside_links:
+        try:
+            _check_link_target(crawl, fd, relpath)
+        except BaseException:
+            os.close(fd)
+            raise
     with open(fd, "rb", closefd=True) as handle:
         doc_format = format_of(relpath)
         st = os.fstat(fd)
@@ -415,37 +432,64 @@ class InsideNarrower(OSError):
     declared): crawling it would serve that source's files to more callers."""
 
 
-def _neighbours(conn: psycopg.Connection, source: Source) -> tuple[dict[str, Source], dict[str, Source]]:
-    """(other sources inside this one's folder by their path there, their roots by device:inode), decided on what the
-    folders are at this crawl (pipelines/sources/overlaps.py): a link or a mount made since the declarations were
-    checked counts. A source whose folder lies inside one that fewer callers may read is not crawled."""
+@dataclass(frozen=True)
+class Owned:
+    """A folder or file of this source's that is `owner`'s, at `within` inside the owner's folder ('' = its root)."""
+
+    owner: Source
+    within: str
+
+
+def _neighbours(conn: psycopg.Connection, source: Source) -> tuple[dict[str, Owned], dict[str, Source]]:
+    """(what of this source's folder is another source's, by its path here; the other sources' roots by device:inode,
+    as they are now and as each was first crawled on this host, so a root renamed since is still known), decided on
+    what the folders are at this crawl (pipelines/sources/overlaps.py): a link or a mount made since the declarations
+    were checked counts, a mount below this folder included. A source whose folder lies inside one that fewer callers
+    may read is not crawled."""
     here, inside, roots = place(source.path), {}, {}
+    mounted = mounts_below(source.path) if source.kind == "folder" else {}
+    recorded = dict(conn.execute("SELECT source_id, root_identities ->> %s FROM sources WHERE removed_at IS NULL",
+                                 (host(),)).fetchall())
     for other in load_sources(conn):
         if other.source_id == source.source_id:
             continue
         there = place(other.path)
-        if there.holds(here) and not narrower(source, other):
-            add_coverage(conn, {(source.source_id, other.source_id, "")})  # its documents: not to more callers
-            raise InsideNarrower(errno.EACCES, f"its folder {source.path} lies inside {other.path}, the folder of"
-                                               f" source {other.source_id!r}, which only groups"
-                                               f" {', '.join(other.groups)} may read; it is not crawled while it would"
-                                               " serve those files to more callers (declare it inside with groups"
-                                               " among those, or move it out)")
-        if (folder := below(there, here)) is not None and folder:
-            inside[folder] = other
-        try:
-            st = os.stat(other.path)
-            roots[f"{st.st_dev}:{st.st_ino}"] = other
-        except OSError:
-            pass
+        if there.holds(here):
+            if not narrower(source, other):
+                add_coverage(conn, {(source.source_id, other.source_id, "")})  # its documents: not to more callers
+                raise InsideNarrower(errno.EACCES, f"its folder {source.path} lies inside {other.path}, the folder of"
+                                                   f" source {other.source_id!r}, which only groups"
+                                                   f" {', '.join(other.groups)} may read; it is not crawled while it"
+                                                   " would serve those files to more callers (declare it inside with"
+                                                   " groups among those, or move it out)")
+        elif folder := below(there, here):
+            inside[folder] = Owned(other, "")
+        else:  # a mount below this folder that shows the other's folder, or a part of it
+            for point, shown in mounted.items():
+                if (within := below(shown, there)) is not None:
+                    inside[point] = Owned(other, within)
+                elif folder := below(there, shown):
+                    inside[f"{point}/{folder}"] = Owned(other, "")
+        for identity in (_identity_of(other.path), recorded.get(other.source_id)):
+            if identity:
+                roots[identity] = other
     return inside, roots
 
 
-def _hand_over(conn: psycopg.Connection, crawl: Crawl, folder: str, owner: Source, known: Known) -> None:
-    """A folder of this source that is another source's: what this source held there goes to the owner with its
-    history (sql/functions/sources.sql) when the owner's run is idle, else it is left alone this time (nothing there
-    is deleted); and while the owner is restricted, no caller outside its groups reads any version of it here."""
-    source = crawl.source
+def _identity_of(path: Path) -> str | None:
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return f"{st.st_dev}:{st.st_ino}"
+
+
+def _hand_over(conn: psycopg.Connection, crawl: Crawl, folder: str, owned: Owned, known: Known) -> None:
+    """A folder or file of this source that is another source's: what this source held there goes to the owner with
+    its history (sql/functions/sources.sql) when the owner's run is idle, else it is left alone this time (nothing
+    there is deleted); and while the owner is restricted, no caller outside its groups reads any version of it
+    here."""
+    source, owner = crawl.source, owned.owner
     if owner.groups is not None:
         add_coverage(conn, {(source.source_id, owner.source_id, folder)})
     held = [locator for locator in known if locator == folder or locator.startswith(folder + "/")]
@@ -453,7 +497,8 @@ def _hand_over(conn: psycopg.Connection, crawl: Crawl, folder: str, owner: Sourc
         return
     if owner.kind == "folder" and conn.execute("SELECT pg_try_advisory_xact_lock(%s, hashtext(%s))",
                                                (LOCK_NAMESPACE, owner.source_id)).fetchone()[0]:
-        conn.execute("SELECT kb_move_documents(%s, %s, %s)", (source.source_id, folder, owner.source_id))
+        conn.execute("SELECT kb_move_documents(%s, %s, %s, %s)",
+                     (source.source_id, folder, owner.source_id, owned.within))
         for locator in held:
             del known[locator]
     else:
@@ -470,11 +515,14 @@ def crawl_source(conn: psycopg.Connection, source: Source, report: StageReport, 
         "SELECT root_identities ->> %s FROM sources WHERE source_id = %s", (host(), source.source_id)).fetchone()[0]
     inside, roots = _neighbours(conn, source)
     crawl = Crawl(source, report, limits, known_root=known_root, nested=frozenset(inside), roots=roots,
-                  skip_unsupported=skip_unsupported)
+                  skip_unsupported=skip_unsupported,
+                  narrower_places=[(other, place(other.path)) for other in load_sources(conn)
+                                   if other.source_id != source.source_id and not narrower(source, other)]
+                  if source.allow_outside_links else [])
     with conn.transaction():
         known = _known_documents(conn, source.source_id)
-        for folder, owner in sorted(inside.items()):
-            _hand_over(conn, crawl, folder, owner, known)
+        for folder, owned in sorted(inside.items()):
+            _hand_over(conn, crawl, folder, owned, known)
         found = walk_folder(crawl, known, progress) if source.kind == "folder" else read_records(crawl, progress)
         batch: list[Found] = []
         for item in found:
@@ -487,8 +535,8 @@ def crawl_source(conn: psycopg.Connection, source: Source, report: StageReport, 
                 batch = []
         if batch:
             _write_batch(conn, crawl, batch, known)
-        for folder, owner in sorted(crawl.found.items()):
-            _hand_over(conn, crawl, folder, owner, known)
+        for folder, owned in sorted(crawl.found.items()):
+            _hand_over(conn, crawl, folder, owned, known)
         gone = _deletions(crawl, known, allow_deletions)
         # What served is marked, not deleted: the run's gated publish deletes it in the transaction that publishes
         # the rest. What never served (a file that failed) changes nothing that serves, and is forgotten now.
@@ -522,17 +570,21 @@ def extract(conn: psycopg.Connection, sources: list[Source], limits: Limits = Li
             crawl_source(conn, source, report, limits, allow_deletions, progress=progress,
                          accept_new_root=accept_new_root, skip_unsupported=skip_unsupported)
         except InsideNarrower as exc:  # nothing read, nothing deleted: the declarations must be put right
-            failure = Failure(source.source_id, str(source.path), STAGE, f"cannot crawl source: {exc.strerror}")
-            report.fail(failure)
-            record_failure(conn, failure, None)
+            _blind(conn, report, source, f"cannot crawl source: {exc.strerror}")
         except RootChanged as exc:  # nothing changed, nothing deleted, until the operator confirms the new root
-            failure = Failure(source.source_id, str(source.path), STAGE,
-                              f"cannot crawl source: {exc.strerror}. If the folder really moved there, run `kb ingest"
-                              f" --source {source.source_id} --accept-new-root`")
-            report.fail(failure)
-            record_failure(conn, failure, None)
+            _blind(conn, report, source, f"cannot crawl source: {exc.strerror}. If the folder really moved there, run"
+                                         f" `kb ingest --source {source.source_id} --accept-new-root`")
         except OSError as exc:  # the source itself is out of reach: nothing changed, nothing deleted
-            failure = Failure(source.source_id, str(source.path), STAGE, f"cannot crawl source: {exc}")
-            report.fail(failure)
-            record_failure(conn, failure, None)
+            _blind(conn, report, source, f"cannot crawl source: {exc}")
     return report.finish()
+
+
+def _blind(conn: psycopg.Connection, report: StageReport, source: Source, reason: str) -> None:
+    """A crawl that saw nothing: its failure is recorded, and what an earlier crawl found gone is no longer marked
+    (this run's publish must not delete on what it did not see)."""
+    failure = Failure(source.source_id, str(source.path), STAGE, reason)
+    report.fail(failure)
+    with conn.transaction():
+        record_failure(conn, failure, None)
+        conn.execute("UPDATE documents SET vanished_at = NULL WHERE source_id = %s AND vanished_at IS NOT NULL",
+                     (source.source_id,))

@@ -52,7 +52,7 @@ def golden_gate(conn: psycopg.Connection, settings: Settings, source_ids: list[s
     rows = conn.execute("SELECT source_id, allowed_groups, golden_set, declared_in FROM sources"
                         " WHERE removed_at IS NULL").fetchall()
     every_group = sorted({group for _, groups, _, _ in rows for group in groups or ()})
-    sets = {source_id: str(resolve_declared(path, declared_in))
+    sets = {source_id: str(resolve_declared(path, declared_in, source_id))
             for source_id, _, path, declared_in in rows if source_id in source_ids and path}
     cases = [case for source_id, path in sorted(sets.items()) for case in golden_cases(path, source_id)]
     misses = []

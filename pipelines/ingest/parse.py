@@ -290,7 +290,7 @@ def parse_pending(conn: psycopg.Connection, source_ids: list[str] | None = None,
             report.fail(Failure(source_id, locator, STAGE, f"{reason} (unchanged since it failed on"
                                 f" {failed_at:%Y-%m-%d %H:%M} UTC; not parsed again: `kb ingest --retry-failed`)"))
             continue
-        root = str(resolve_declared(location, declared_in))
+        root = str(resolve_declared(location, declared_in, source_id))
         pending.append((doc_id, locator, doc_format, content_hash, root, source_id, allow, known_root))
     progress.total(len(pending))
     if not workers.dask:  # one changed file starts one worker, not a pool of idle ones

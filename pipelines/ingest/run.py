@@ -123,8 +123,8 @@ class IngestRun:
         with source_locks(conn, ids, shared=shard is not None):
             run_id = conn.execute(
                 "INSERT INTO ingest_runs (sources, started_by, external_run_id) VALUES (%s, %s, %s)"
-                " ON CONFLICT (external_run_id) DO UPDATE SET sources = ("
-                "   SELECT array_agg(DISTINCT s) FROM unnest(ingest_runs.sources || excluded.sources) s),"
+                " ON CONFLICT (external_run_id) DO UPDATE SET sources = coalesce(("
+                "   SELECT array_agg(DISTINCT s) FROM unnest(ingest_runs.sources || excluded.sources) s), '{}'),"
                 "   finished_at = NULL"
                 " RETURNING run_id", (ids, started_by, external_run_id)).fetchone()[0]
             run = cls(conn, settings, embedder, ids, run_id, progress, confirmed or Confirmations(),
@@ -194,9 +194,22 @@ class IngestRun:
 
     def _finish(self, outcome: str) -> None:
         """Record the counters of what ran. No model switch here: what one run embedded (an endpoint that answered
-        another dimension, a configuration changed for a run) must never change which model serves."""
-        self.conn.execute("UPDATE ingest_runs SET finished_at = now(), counters = %s WHERE run_id = %s",
-                          (Jsonb({**self.summary().as_dict(), "outcome": outcome}), self.run_id))
+        another dimension, a configuration changed for a run) must never change which model serves. The shards of a
+        run (a backfill's) finish one by one on one row: each records its own outcome, and the run's is the first
+        that did not succeed (SQL merges them, so two shards finishing at once lose neither)."""
+        if not self.shard:
+            self.conn.execute("UPDATE ingest_runs SET finished_at = now(), counters = %s WHERE run_id = %s",
+                              (Jsonb({**self.summary().as_dict(), "outcome": outcome}), self.run_id))
+            return
+        self.conn.execute(
+            "UPDATE ingest_runs SET finished_at = now(), counters = %(summary)s || jsonb_build_object('shards',"
+            " coalesce(counters -> 'shards', '{}') || jsonb_build_object(%(shard)s::text, %(outcome)s::text))"
+            " WHERE run_id = %(run)s", {"summary": Jsonb(self.summary().as_dict()), "shard": self.shard,
+                                       "outcome": outcome, "run": self.run_id})
+        self.conn.execute(
+            "UPDATE ingest_runs SET counters = counters || jsonb_build_object('outcome', coalesce((SELECT value FROM"
+            " jsonb_each_text(counters -> 'shards') WHERE value <> 'succeeded' ORDER BY key LIMIT 1), 'succeeded'))"
+            " WHERE run_id = %s", (self.run_id,))
 
 
 def _outcome(exc: BaseException) -> str:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import asdict, dataclass, field
+from datetime import datetime
 
 import psycopg
 
@@ -35,15 +36,15 @@ RARE_SHORT_CHUNKS = 3  # a two-character code ("0B") is often part of a name ("c
 _QUESTION = re.compile(r"^\s*(how|why|what|when|which|who|where|explain|describe|can|could|should|does|do|is|are)\b",
                        re.I)
 
-# For each code-like token: its lexemes with their document frequency and posting count over the readable sources.
+# For each code-like token: its lexemes with their document frequency and posting count over the readable sources,
+# live or as of a time (sql/functions/lexical.sql).
 CODE_TERMS = """
-SELECT t.token, u.lexeme, coalesce(sum(s.df), 0), coalesce(sum(s.postings), 0)
+SELECT t.token, u.lexeme, coalesce(s.df, 0), coalesce(s.postings, 0)
 FROM unnest(%(tokens)s::text[]) AS t(token)
 CROSS JOIN LATERAL unnest(kb_lexemes(t.token)) AS u
-LEFT JOIN lexical_terms s ON s.term = u.lexeme AND s.source_key = ANY(%(source_keys)s)
-GROUP BY t.token, u.lexeme
+LEFT JOIN LATERAL kb_term_stats(ARRAY[u.lexeme], %(source_keys)s, %(as_of)s) AS s ON true
 """
-READABLE_CHUNKS = "SELECT coalesce(sum(chunks), 0)::float8 FROM lexical_stats WHERE source_key = ANY(%(source_keys)s)"
+READABLE_CHUNKS = "SELECT kb_readable_chunks(%(source_keys)s, %(as_of)s)"
 
 
 @dataclass
@@ -78,15 +79,18 @@ def code_shaped(token: str, query: str) -> bool:
     return len(re.sub(r"[^A-Za-z0-9]", "", token)) >= 2
 
 
-def classify(conn: psycopg.Connection, query: str, source_keys: list[int], lexical_weight: float | None = None) -> QueryClass:
-    """The query's class and lexical weight (`lexical_weight` overrides the weight, never the codes found)."""
+def classify(conn: psycopg.Connection, query: str, source_keys: list[int], lexical_weight: float | None = None,
+             as_of: datetime | None = None) -> QueryClass:
+    """The query's class and lexical weight (`lexical_weight` overrides the weight, never the codes found), from the
+    statistics of the readable sources, as they were at `as_of` for a read of the past."""
     tokens = sorted({t for t in CODE_LIKE.findall(query) if code_shaped(t, query)})
     identifiers, terms, common = [], [], []
     if tokens:
-        chunks = conn.execute(READABLE_CHUNKS, {"source_keys": source_keys}).fetchone()[0]
+        stats = {"source_keys": source_keys, "as_of": as_of}
+        chunks = conn.execute(READABLE_CHUNKS, stats).fetchone()[0]
         rare_at = max(RARE_MIN_CHUNKS, RARE_SHARE * chunks)
         lexemes: dict[str, list[tuple[int, int, str]]] = {}
-        for token, lexeme, df, postings in conn.execute(CODE_TERMS, {"tokens": tokens, "source_keys": source_keys}):
+        for token, lexeme, df, postings in conn.execute(CODE_TERMS, {"tokens": tokens, **stats}):
             lexemes.setdefault(token, []).append((int(postings), int(df), lexeme))
         for token in tokens:
             known = sorted(entry for entry in lexemes.get(token, []) if entry[0] > 0)

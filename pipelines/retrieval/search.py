@@ -199,7 +199,8 @@ def search_explained(conn: psycopg.Connection, embedder: Embedder, query: str, k
         raise ValueError("lexical_weight must be between 0 and 1")
     filters = dataclasses.replace(filters or Filters(), cards=MODES[mode])
     visible = readable(conn, filters.groups, filters.source_id, filters.as_of)
-    query_class = classify(conn, query, visible.keys, {"dense": 0.0, "lexical": 1.0}.get(arm, lexical_weight))
+    query_class = classify(conn, query, visible.keys, {"dense": 0.0, "lexical": 1.0}.get(arm, lexical_weight),
+                           filters.as_of)
     if not visible.sources:
         return query_class, []
     n = max(k_overfetch, k)

@@ -9,13 +9,14 @@ row in `source_changes` saying who made it, when, and the declaration before and
 
 from __future__ import annotations
 
+import functools
 import getpass
 import os
 import re
 import socket
 import tomllib
 from dataclasses import asdict, dataclass, fields, replace
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 
 import psycopg
 from psycopg.rows import dict_row
@@ -52,7 +53,7 @@ class Source:
     @property
     def path(self) -> Path:
         """Where the source is on this machine."""
-        return resolve_declared(self.location, self.declared_in)
+        return resolve_declared(self.location, self.declared_in, self.source_id)
 
     def declaration(self) -> dict:
         """Everything that governs the source, as recorded in the audit trail and compared on re-declaration."""
@@ -77,16 +78,36 @@ def _from_row(row: tuple) -> Source:
     return Source(**values)
 
 
-def resolve_declared(path: str, declared_in: str | None) -> Path:
-    """A declared path (a location, a golden set) on this machine. An absolute path is used as it is. A path that
-    a kb.toml wrote relative to itself stays relative, and resolves against the folder of that file: KB_CONFIG's
-    when it is set (this machine's copy of the file), else the folder it was last applied from. So one kb.toml
-    kept in git serves checkouts and hosts that hold it, and the documents, at different paths."""
+def resolve_declared(path: str, declared_in: str | None, source_id: str | None = None) -> Path:
+    """A declared path (a location, a golden set) of source `source_id` on this machine. An absolute path is used as
+    it is. A path that a kb.toml wrote relative to itself stays relative, and resolves against the folder of that
+    file: KB_CONFIG's when it is set and declares this source (this machine's copy of the file), else the folder the
+    file was last applied from. So one kb.toml kept in git serves checkouts and hosts that hold it, and the
+    documents, at different paths, while the sources of another kb.toml keep their own folder."""
     declared = Path(path)
     if declared.is_absolute() or declared_in is None:
         return declared
-    config = Path(os.environ["KB_CONFIG"]).expanduser() if os.environ.get("KB_CONFIG") else Path(declared_in)
+    here = os.environ.get("KB_CONFIG")
+    config = Path(here).expanduser() if here and source_id in _names_in(here) else Path(declared_in)
     return config.resolve().parent / declared
+
+
+def _names_in(config: str) -> frozenset[str]:
+    """The source names a kb.toml declares (none when it cannot be read), read again only when the file changes."""
+    try:
+        st = os.stat(Path(config).expanduser())
+    except OSError:
+        return frozenset()
+    return _names_of(str(Path(config).expanduser().resolve()), st.st_mtime_ns, st.st_size)
+
+
+@functools.lru_cache(maxsize=8)
+def _names_of(config: str, mtime_ns: int, size: int) -> frozenset[str]:
+    try:
+        sources = tomllib.loads(Path(config).read_text(encoding="utf-8")).get("sources")
+    except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError):
+        return frozenset()
+    return frozenset(sources) if isinstance(sources, dict) else frozenset()
 
 
 def locate(path: str | Path) -> tuple[str, str]:
@@ -107,7 +128,7 @@ def declare(name: str | None, path: str | Path, include=(), exclude=(), groups=N
             declared_in: str | None = None, golden_set: str | Path | None = None) -> Source:
     """A validated declaration; the name defaults to the folder or file name. Paths that a config file
     (`declared_in`) gives relative to itself are kept relative to it; others are made absolute."""
-    kind, location = locate(resolve_declared(str(path), declared_in))
+    kind, location = locate(resolve_declared(str(path), declared_in, name))
     include, exclude, groups = _globs(include, "include"), _globs(exclude, "exclude"), _readers(groups)
     name = name or Path(location).stem
     location = _as_declared(path, location, declared_in)
@@ -115,7 +136,7 @@ def declare(name: str | None, path: str | Path, include=(), exclude=(), groups=N
         raise DeclarationError(f"source name {name!r}: use letters, digits, '.', '_' or '-' (at most 63 characters)")
     return Source(name, kind, location, include, exclude, groups,
                   _positive(freshness_hours), _cron(refresh_cron), bool(allow_outside_links),
-                  _share(max_deletion_share), declared_in, _golden(golden_set, declared_in))
+                  _share(max_deletion_share), declared_in, _golden(golden_set, declared_in, name))
 
 
 def _globs(globs, key: str) -> tuple[str, ...]:
@@ -173,15 +194,15 @@ def _cron(expression: str | None) -> str | None:
 
 def _as_declared(path: str | Path, resolved: str, declared_in: str | None) -> str:
     """What is stored for a declared path: as written when a config file gave it relative to itself, else absolute."""
-    written = Path(path).expanduser()
-    return os.path.normpath(written) if declared_in and not written.is_absolute() else resolved
+    written = PurePosixPath(Path(path).expanduser())  # `..` kept: `alias/..` is not `.` when alias is a link
+    return written.as_posix() if declared_in and not written.is_absolute() else resolved
 
 
-def _golden(path: str | Path | None, declared_in: str | None = None) -> str | None:
+def _golden(path: str | Path | None, declared_in: str | None = None, source_id: str | None = None) -> str | None:
     """The golden set as declared; it must be a file of JSON lines, each {"query", "document"}."""
     if path is None:
         return None
-    resolved = resolve_declared(str(path), declared_in).expanduser().resolve()
+    resolved = resolve_declared(str(path), declared_in, source_id).expanduser().resolve()
     if not resolved.is_file():
         raise DeclarationError(f"golden_set {path}: no such file (a JSONL file of {{\"query\", \"document\"}} lines)")
     return _as_declared(path, str(resolved), declared_in)
@@ -285,13 +306,18 @@ def _claim_documents(conn: psycopg.Connection, source: Source) -> dict[str, int]
         if not folder:  # not inside (or the same folder, refused above)
             continue
         for source_id in sorted({outer.source_id, source.source_id}):
-            if not conn.execute("SELECT pg_try_advisory_xact_lock(%s, hashtext(%s))",
-                                (LOCK_NAMESPACE, source_id)).fetchone()[0]:
-                raise DeclarationError(f"source {source_id!r} is being refreshed right now; declare {source.source_id!r}"
-                                       " again once that run has finished (`kb status` shows the last run)")
-        moved[outer.source_id] = conn.execute("SELECT kb_move_documents(%s, %s, %s)",
+            _idle(conn, source_id, f"declare {source.source_id!r}")
+        moved[outer.source_id] = conn.execute("SELECT kb_move_documents(%s, %s, %s, '')",
                                               (outer.source_id, folder, source.source_id)).fetchone()[0]
     return moved
+
+
+def _idle(conn: psycopg.Connection, source_id: str, what: str) -> None:
+    """Hold the source's run lock until the transaction ends, or refuse: a declaration that moves or removes
+    documents must not interleave with a run writing them."""
+    if not conn.execute("SELECT pg_try_advisory_xact_lock(%s, hashtext(%s))", (LOCK_NAMESPACE, source_id)).fetchone()[0]:
+        raise DeclarationError(f"source {source_id!r} has a run in progress (a refresh or a model backfill); {what}"
+                               " again once it has finished (`kb status` shows the last run)")
 
 
 def refresh_coverage(conn: psycopg.Connection, changed: set[str] = frozenset()) -> None:
@@ -301,7 +327,8 @@ def refresh_coverage(conn: psycopg.Connection, changed: set[str] = frozenset()) 
     folder) is not forgotten by a declaration made on a host that does not see that mount."""
     rows = conn.execute("SELECT source_id, kind, location, declared_in, removed_at IS NULL AND allowed_groups IS NOT NULL"
                         " FROM sources").fetchall()
-    places = {source_id: place(resolve_declared(location, declared_in)) for source_id, _, location, declared_in, _ in rows}
+    places = {source_id: place(resolve_declared(location, declared_in, source_id))
+              for source_id, _, location, declared_in, _ in rows}
     restricted = [r[0] for r in rows if r[4]]
     conn.execute("DELETE FROM source_coverage WHERE source_id = ANY(%(changed)s) OR covered_by = ANY(%(changed)s)"
                  " OR covered_by <> ALL(%(restricted)s)", {"changed": sorted(changed), "restricted": restricted})
@@ -374,7 +401,7 @@ def update_source(conn: psycopg.Connection, source_id: str, who: str, via_config
         stored = _changeable(conn, source_id, via_config, "edit it there and run `kb source apply {}`")
         declared_in = changes.get("declared_in", stored.declared_in)
         if "location" in changes:
-            changes["kind"], resolved = locate(resolve_declared(str(changes["location"]), declared_in))
+            changes["kind"], resolved = locate(resolve_declared(str(changes["location"]), declared_in, source_id))
             changes["location"] = _as_declared(changes["location"], resolved, declared_in)
         if "groups" in changes:
             changes["groups"] = _readers(changes["groups"])
@@ -385,7 +412,7 @@ def update_source(conn: psycopg.Connection, source_id: str, who: str, via_config
         if "max_deletion_share" in changes:
             changes["max_deletion_share"] = _share(changes["max_deletion_share"])
         if "golden_set" in changes:
-            changes["golden_set"] = _golden(changes["golden_set"], declared_in)
+            changes["golden_set"] = _golden(changes["golden_set"], declared_in, source_id)
         for key in ("include", "exclude"):
             if key in changes:
                 changes[key] = _globs(changes[key], key)
@@ -414,6 +441,7 @@ def remove_source(conn: psycopg.Connection, source_id: str, who: str, via_config
     documents were deleted."""
     with conn.transaction():
         stored = _changeable(conn, source_id, via_config, "delete it there and run `kb source apply --prune {}`")
+        _idle(conn, source_id, f"remove {source_id!r}")
         deleted = conn.execute("SELECT kb_soft_delete_documents(%(id)s, ARRAY(SELECT locator FROM documents"
                                " WHERE source_id = %(id)s AND deleted_at IS NULL))", {"id": source_id}).fetchone()[0]
         conn.execute("DELETE FROM failures WHERE source_id = %s", (source_id,))
@@ -534,10 +562,11 @@ def changed_since_applied(conn: psycopg.Connection, source_ids: list[str]) -> li
     """A line for each config file declaring these sources whose text is not the text last applied: the run reads
     the declarations as applied, and whoever started it should know that the edits are not in it."""
     lines = []
-    for declared_in, applied in conn.execute(
-            "SELECT DISTINCT declared_in, declared_hash FROM sources WHERE source_id = ANY(%s) AND removed_at IS NULL"
-            " AND declared_in IS NOT NULL ORDER BY 1", (source_ids,)).fetchall():
-        here = os.environ.get("KB_CONFIG") or declared_in  # this machine's copy of the file (resolve_declared)
+    for declared_in, applied, names in conn.execute(
+            "SELECT declared_in, declared_hash, array_agg(source_id) FROM sources WHERE source_id = ANY(%s)"
+            " AND removed_at IS NULL AND declared_in IS NOT NULL GROUP BY 1, 2 ORDER BY 1", (source_ids,)).fetchall():
+        local = os.environ.get("KB_CONFIG")  # this machine's copy of the file, if it is this file (resolve_declared)
+        here = local if local and set(names) & _names_in(local) else declared_in
         try:
             current = hash_text(Path(here).expanduser().read_text(encoding="utf-8"))
         except (OSError, UnicodeDecodeError):

@@ -34,15 +34,17 @@ class Place:
     path: PurePosixPath
     real: PurePosixPath
 
-    def _pair(self, other: "Place") -> tuple[PurePosixPath, PurePosixPath] | None:
-        if self.device is not None and other.device is not None:
-            return (self.path, other.path) if self.device == other.device else None
-        return self.real, other.real
+    def _pairs(self, other: "Place") -> list[tuple[PurePosixPath, PurePosixPath]]:
+        """The ways to compare the two: their real paths always (a folder below a mount point is inside the folder
+        above it), and their paths inside one filesystem when both are on it here (a bind mount is its source)."""
+        pairs = [(self.real, other.real)]
+        if self.device is not None and self.device == other.device:
+            pairs.append((self.path, other.path))
+        return pairs
 
     def holds(self, other: "Place") -> bool:
-        """Whether `other` is this place or lies below it."""
-        pair = self._pair(other)
-        return pair is not None and pair[1].is_relative_to(pair[0])
+        """Whether `other` is this place or lies below it, by either comparison."""
+        return any(inner.is_relative_to(outer) for outer, inner in self._pairs(other))
 
 
 @dataclass(frozen=True)
@@ -88,11 +90,23 @@ def place(path: str | os.PathLike, mounts: list[_Mount] | None = None) -> Place:
 
 def below(inner: Place, outer: Place) -> str | None:
     """The path of `inner` inside the folder `outer` ('' when they are one place), or None when it is not inside."""
-    pair = outer._pair(inner)
-    if pair is None or not pair[1].is_relative_to(pair[0]):
-        return None
-    relative = pair[1].relative_to(pair[0]).as_posix()
-    return "" if relative == "." else relative
+    for outer_path, inner_path in outer._pairs(inner):
+        if inner_path.is_relative_to(outer_path):
+            relative = inner_path.relative_to(outer_path).as_posix()
+            return "" if relative == "." else relative
+    return None
+
+
+def mounts_below(folder: str | os.PathLike) -> dict[str, Place]:
+    """{path inside `folder`: its place} of every mount point below the folder (a share, a bind mount of a folder or
+    of one file): what it shows there may be another source's, whatever its path inside `folder` says."""
+    try:
+        real = PurePosixPath(os.path.realpath(folder, strict=True))
+    except OSError:
+        return {}
+    mounts = _mounts()
+    return {m.point.relative_to(real).as_posix(): place(m.point, mounts) for m in mounts
+            if m.point != real and m.point.is_relative_to(real)}
 
 
 Coverage = set[tuple[str, str, str]]  # (source_id, covered_by, locator prefix)

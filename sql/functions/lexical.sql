@@ -148,3 +148,26 @@ BEGIN
     DELETE FROM lexical_postings_closed p USING old_rows o WHERE p.chunk_id = o.chunk_id;
     RETURN NULL;
 END $$;
+
+-- The statistics the query classifier and the answer layer weigh a query's words with, over some sources, live or
+-- as of a time (then from the statistics' history, so a read of the past weighs words as they were weighed then).
+CREATE OR REPLACE FUNCTION kb_term_stats(p_terms text[], p_source_keys int[], p_as_of timestamptz)
+RETURNS TABLE (term text, df bigint, postings bigint) LANGUAGE sql STABLE AS $$
+    SELECT t.term, sum(coalesce(past.df, t.df))::bigint, sum(coalesce(past.postings, t.postings))::bigint
+    FROM lexical_terms t
+    LEFT JOIN LATERAL (
+        SELECT coalesce(sum(h.df), 0) AS df, coalesce(sum(h.postings), 0) AS postings FROM lexical_terms_history h
+        WHERE h.term_key = t.term_key AND h.changed_at <= p_as_of
+    ) past ON p_as_of IS NOT NULL
+    WHERE t.term = ANY(p_terms) AND t.source_key = ANY(p_source_keys)
+    GROUP BY t.term;
+$$;
+
+CREATE OR REPLACE FUNCTION kb_readable_chunks(p_source_keys int[], p_as_of timestamptz) RETURNS float8
+LANGUAGE sql STABLE AS $$
+    SELECT coalesce(sum(chunks), 0)::float8 FROM (
+        SELECT chunks FROM lexical_stats WHERE source_key = ANY(p_source_keys) AND p_as_of IS NULL
+        UNION ALL
+        SELECT chunks FROM lexical_stats_history WHERE source_key = ANY(p_source_keys) AND changed_at <= p_as_of
+    ) s;
+$$;

@@ -3,31 +3,36 @@
 -- from then on they are read, searched as of any time and counted in statistics as the inner source's
 -- (pipelines/sources/declarations.py, pipelines/ingest/extract.py).
 --
--- kb_move_documents(from, folder, to): the documents of `from` whose locator lies below `folder` get locator
--- relative to it and source `to`; a locator `to` already holds stays behind, soft-deleted (source_coverage keeps it
--- unreadable to callers outside `to`'s groups). Postings are re-keyed to `to`'s terms; live statistics leave one
--- source for the other; the statistics' history is rewritten as if the chunks had always been `to`'s, so an as-of
--- read of either source never counts the other's documents. Each moved document's history gets a 'moved' version.
--- Returns how many documents moved. Callers hold both sources' locks.
-CREATE OR REPLACE FUNCTION kb_move_documents(p_from text, p_folder text, p_to text) RETURNS integer
+-- kb_move_documents(from, folder, to, into): the documents of `from` at `folder` or below it become `to`'s, at
+-- `into` inside `to`'s folder ('' = its root; a mount can show a folder deep inside `to`'s) with the rest of their
+-- path below it; a locator `to` already holds stays behind, soft-deleted (source_coverage keeps it unreadable to
+-- callers outside `to`'s groups). Postings are re-keyed to `to`'s terms; live statistics leave one source for the
+-- other; the statistics' history is rewritten as if the chunks had always been `to`'s, so an as-of read of either
+-- source never counts the other's documents. Each moved document's history gets a 'moved' version. Returns how many
+-- documents moved. Callers hold both sources' locks.
+DROP FUNCTION IF EXISTS kb_move_documents(text, text, text);
+CREATE OR REPLACE FUNCTION kb_move_documents(p_from text, p_folder text, p_to text, p_into text) RETURNS integer
 LANGUAGE plpgsql AS $$
 DECLARE
     from_key int := (SELECT source_key FROM sources WHERE source_id = p_from);
     to_key int := (SELECT source_key FROM sources WHERE source_id = p_to);
-    cut int := length(p_folder) + 2;  -- where the locator below the folder starts
     docs bigint[];
     moved bigint[];  -- every chunk of the moving documents, live or closed
     live bigint[];
     clashing text[];
 BEGIN
-    docs := ARRAY(SELECT d.document_id FROM documents d
-                  WHERE d.source_id = p_from AND d.locator ^@ (p_folder || '/')
-                    AND NOT EXISTS (SELECT 1 FROM documents t WHERE t.source_id = p_to
-                                    AND t.locator = substr(d.locator, cut)));
-    clashing := ARRAY(SELECT d.locator FROM documents d
-                      WHERE d.source_id = p_from AND d.locator ^@ (p_folder || '/') AND d.document_id <> ALL(docs));
+    CREATE TEMP TABLE kb_moving ON COMMIT DROP AS
+    SELECT d.document_id, d.locator,
+           CASE WHEN d.locator = p_folder THEN p_into
+                ELSE concat_ws('/', nullif(p_into, ''), substr(d.locator, length(p_folder) + 2)) END AS target
+    FROM documents d
+    WHERE d.source_id = p_from AND (d.locator = p_folder OR d.locator ^@ (p_folder || '/'));
+    docs := ARRAY(SELECT m.document_id FROM kb_moving m
+                  WHERE NOT EXISTS (SELECT 1 FROM documents t WHERE t.source_id = p_to AND t.locator = m.target));
+    clashing := ARRAY(SELECT locator FROM kb_moving WHERE document_id <> ALL(docs));
     PERFORM kb_soft_delete_documents(p_from, clashing);
     IF cardinality(docs) = 0 THEN
+        DROP TABLE kb_moving;
         RETURN 0;
     END IF;
     moved := ARRAY(SELECT chunk_id FROM chunks WHERE document_id = ANY(docs));
@@ -88,7 +93,9 @@ BEGIN
 
     DELETE FROM failures f USING documents d
     WHERE d.document_id = ANY(docs) AND f.source_id = p_from AND f.locator = d.locator;
-    UPDATE documents SET source_id = p_to, locator = substr(locator, cut) WHERE document_id = ANY(docs);
+    UPDATE documents d SET source_id = p_to, locator = m.target FROM kb_moving m
+    WHERE d.document_id = m.document_id AND m.document_id = ANY(docs);
+    DROP TABLE kb_moving;
 
     PERFORM kb_lexical_apply(live, '{}');  -- ...and join `to`'s
     PERFORM kb_record_version(d.document_id, 'moved', d.content_hash, 0, 0,

@@ -19,23 +19,45 @@ WITH visible AS (
     SELECT unnest(%(source_keys)s::int[]) AS source_key
 ), query_terms AS (
     SELECT DISTINCT u.lexeme AS term FROM unnest(kb_lexemes(%(query)s)) AS u
+), hidden_chunks AS MATERIALIZED (
+    -- Chunks of readable sources under a part that a restricted source this caller may not read covers
+    -- (pipelines/retrieval/readable.py; usually none: declaring such a source moves them to it). The statistics are
+    -- kept per source, so these are taken out of them below: a caller's scores never count what it cannot read.
+    SELECT c.chunk_id, c.text, c.lexical_length
+    FROM unnest(%(hidden_sources)s::text[], %(hidden_prefixes)s::text[]) AS h(source_id, prefix)
+    JOIN documents d ON d.source_id = h.source_id
+         AND (d.locator = h.prefix OR (d.locator COLLATE "C" >= h.prefix || '/' AND d.locator COLLATE "C" < h.prefix || '0'))
+    JOIN chunks c ON c.document_id = d.document_id
+    WHERE CASE WHEN %(as_of)s::timestamptz IS NULL THEN c.valid_to IS NULL
+               ELSE c.valid_from <= %(as_of)s AND (c.valid_to IS NULL OR c.valid_to > %(as_of)s) END
 ), source_stats AS (
     SELECT s.chunks, s.total_length FROM lexical_stats s JOIN visible USING (source_key)
     WHERE %(as_of)s::timestamptz IS NULL
     UNION ALL
     SELECT h.chunks, h.total_length FROM lexical_stats_history h JOIN visible USING (source_key)
     WHERE h.changed_at <= %(as_of)s::timestamptz
+    UNION ALL
+    SELECT -count(*), -coalesce(sum(lexical_length), 0) FROM hidden_chunks
 ), corpus AS (
     SELECT greatest(coalesce(sum(s.chunks), 0), 1)::float8 AS n,
            greatest(coalesce(sum(s.total_length), 0)::float8 / greatest(coalesce(sum(s.chunks), 0), 1), 1) AS avg_length
     FROM source_stats s
-), term_sources AS MATERIALIZED (
+), readable_terms AS MATERIALIZED (
     SELECT t.term, t.source_key, t.term_key, coalesce(past.df, t.df) AS df, coalesce(past.postings, t.postings) AS postings
     FROM lexical_terms t JOIN query_terms USING (term) JOIN visible USING (source_key)
     LEFT JOIN LATERAL (
         SELECT coalesce(sum(h.df), 0) AS df, coalesce(sum(h.postings), 0) AS postings FROM lexical_terms_history h
         WHERE h.term_key = t.term_key AND h.changed_at <= %(as_of)s::timestamptz
     ) past ON %(as_of)s::timestamptz IS NOT NULL
+), term_sources AS MATERIALIZED (
+    SELECT t.term, t.source_key, t.term_key, t.df - coalesce(x.df, 0) AS df, t.postings - coalesce(x.postings, 0) AS postings
+    FROM readable_terms t
+    LEFT JOIN (
+        SELECT p.term_key, count(*) AS postings,
+               count(*) FILTER (WHERE r.term = ANY(tsvector_to_array(kb_lexemes(hc.text)))) AS df
+        FROM hidden_chunks hc JOIN lexical_postings_any p USING (chunk_id) JOIN readable_terms r USING (term_key)
+        GROUP BY p.term_key
+    ) x USING (term_key)
 ), weights AS MATERIALIZED (
     -- idf from the document frequency in chunk texts (Lucene's form, never negative); with %(common_share)s set,
     -- terms in more than that share of the readable chunks are left out. A term is essential when it has the
