@@ -1,9 +1,9 @@
-"""Hostile review of issue 27: attacks that HELD on the reviewed code (main at 5992322), kept as regression tests.
-The failing ones are in tests/test_review_findings.py."""
+"""Moving documents between sources keeps every statistic consistent (issue 27, attacks of the hostile review that
+held, kept as regression tests; tests/test_access_attacks.py has those that did not)."""
 
 from __future__ import annotations
 
-from tests.test_review_findings import QUERY, SECRET, found, holds_secret, kb, now, share  # noqa: F401 (share: a fixture)
+from tests.test_access_attacks import QUERY, SECRET, found, holds_secret, kb, now, share  # noqa: F401 (share: a fixture)
 
 
 CONSISTENCY = {

@@ -1,5 +1,6 @@
-"""Hostile review of issue 27 items 1-5, 7, 10-12, 14: each test is one way the change can be broken. Every test
-here FAILS on the reviewed code (main at 5992322); the docstring says what breaks and how badly."""
+"""Who may read what, attacked (issue 27, a hostile review of items 1-5, 7, 10-12, 14): each test is one way a
+restricted document, or its statistics, could reach callers outside its groups, or a refresh could act on what it
+did not see; each failed on the code reviewed and passes since its fix."""
 
 from __future__ import annotations
 
