@@ -55,6 +55,10 @@ ALTER TABLE documents ADD COLUMN vanished_at timestamptz;
 ALTER TABLE document_versions DROP CONSTRAINT document_versions_event_check,
     ADD CONSTRAINT document_versions_event_check CHECK (event IN ('published', 'deleted', 'moved'));
 
+-- A term's change in the latest transaction that changed it waits on its row until a later one changes it again
+-- (then it goes to lexical_terms_history): sql/functions/lexical.sql.
+ALTER TABLE lexical_terms ADD COLUMN changed_at timestamptz, ADD COLUMN df_before bigint NOT NULL DEFAULT 0,
+    ADD COLUMN postings_before bigint NOT NULL DEFAULT 0;
 CREATE TABLE lexical_terms_history (
     term_key   int NOT NULL,                -- lexical_terms.term_key
     changed_at timestamptz NOT NULL,        -- the transaction's time, as chunks' valid_from and valid_to

@@ -294,3 +294,32 @@ def test_a_refresh_that_only_deletes_passes_the_golden_set_gate(conn, embedder, 
     stopped = CliRunner().invoke(main, ["ingest", "--json"])
     assert stopped.exit_code == 4, stopped.output  # the gate ran on the deletion and stopped it
     assert {d for _, d, c in found(conn, embedder, "okapi stew canteen") if "okapi" in c} == {"canteen.md"}
+
+
+def test_statistics_as_of_each_refresh_are_those_read_live_then(conn, embedder, tmp_path):
+    """Each refresh changes the statistics in many statements, and each term's latest change waits on its row until
+    a later transaction changes it (sql/functions/lexical.sql): read as of the time after each refresh, every term's
+    document frequency and postings, and the corpus size, are what a live read gave then."""
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    kb("source", "add", "docs", str(docs), "--public")
+    versions = [{"a.md": "Gate codes are issued weekly.", "b.md": "The east gate closes at ten."},
+                {"a.md": "Gate codes are issued daily by the desk.", "c.md": "Porters keep the east gate keys."},
+                {"c.md": "Porters keep the gate keys.", "d.md": "Gate gate gate repainting."}]
+    terms = ["gate", "code", "east", "porter", "key", "desk"]
+    seen = []
+    for files in versions:
+        for old in docs.iterdir():
+            old.unlink()
+        for name, text in files.items():
+            (docs / name).write_text(f"# {name}\n\n{text}\n")
+        kb("ingest", "--allow-deletions")
+        keys = [conn.execute("SELECT source_key FROM sources WHERE source_id = 'docs'").fetchone()[0]]
+        live = conn.execute("SELECT term, df, postings FROM kb_term_stats(%s, %s, NULL) WHERE postings > 0"
+                            " ORDER BY 1", (terms, keys))
+        seen.append((now(conn), keys, live.fetchall(),
+                     conn.execute("SELECT kb_readable_chunks(%s, NULL)", (keys,)).fetchone()[0]))
+    for when, keys, live, chunks in seen:
+        assert conn.execute("SELECT term, df, postings FROM kb_term_stats(%s, %s, %s) WHERE postings > 0"
+                            " ORDER BY 1", (terms, keys, when)).fetchall() == live, when
+        assert conn.execute("SELECT kb_readable_chunks(%s, %s)", (keys, when)).fetchone()[0] == chunks

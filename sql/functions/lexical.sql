@@ -8,7 +8,10 @@
 -- that stops being live subtracts the same and its postings move to lexical_postings_closed. Statistics are per
 -- source so that search can sum them over the sources a caller may read (sql/queries/hybrid_search.sql). Every change
 -- of them is also kept per transaction (lexical_terms_history, lexical_stats_history; sql/015), so an as-of read
--- ranks with the statistics of the versions live then.
+-- ranks with the statistics of the versions live then. A term's change in the latest transaction that made one stays
+-- on its lexical_terms row (df - df_before, postings - postings_before, at changed_at), and goes to its history the
+-- first time a later transaction changes the term: one history row per term and transaction, written once, not one
+-- upsert per statement (a publish changes each term in many statements).
 
 CREATE OR REPLACE FUNCTION kb_lexical_apply(entered bigint[], left_ bigint[]) RETURNS void
 LANGUAGE sql AS $$
@@ -34,11 +37,16 @@ LANGUAGE sql AS $$
         LEFT JOIN body b ON b.chunk_id = ch.chunk_id AND b.lexeme = t.term
         GROUP BY p.term_key
     ), terms AS (  -- a data-modifying CTE always runs to completion
-        UPDATE lexical_terms t SET df = t.df + coalesce(d.df, 0), postings = t.postings + d.postings
+        UPDATE lexical_terms t SET df = t.df + coalesce(d.df, 0), postings = t.postings + d.postings,
+            df_before = CASE WHEN t.changed_at IS DISTINCT FROM now() THEN t.df ELSE t.df_before END,
+            postings_before = CASE WHEN t.changed_at IS DISTINCT FROM now() THEN t.postings ELSE t.postings_before END,
+            changed_at = now()
         FROM delta d WHERE t.term_key = d.term_key AND (d.postings <> 0 OR d.df <> 0)
-    ), terms_then AS (
+        RETURNING WITH (OLD AS was) t.term_key, was.changed_at, was.df - was.df_before AS df,
+            was.postings - was.postings_before AS postings
+    ), flushed AS (  -- the change an earlier transaction left on the row goes to the history
         INSERT INTO lexical_terms_history AS h (term_key, changed_at, df, postings)
-        SELECT term_key, now(), coalesce(df, 0), postings FROM delta WHERE postings <> 0 OR df <> 0
+        SELECT term_key, changed_at, df, postings FROM terms WHERE changed_at <> now() AND (df <> 0 OR postings <> 0)
         ON CONFLICT (term_key, changed_at) DO UPDATE SET df = h.df + excluded.df, postings = h.postings + excluded.postings
     ), sources_delta AS (
         SELECT source_key, sum(sign) AS chunks, sum(sign * lexical_length) AS total_length FROM changed
@@ -123,12 +131,18 @@ BEGIN
         JOIN lexical_terms k ON k.term_key = p.term_key AND k.term = u.lexeme
         GROUP BY p.term_key
         HAVING sum(r.sign) <> 0
-    ), history AS (
-        INSERT INTO lexical_terms_history AS h (term_key, changed_at, df, postings)
-        SELECT term_key, now(), df, 0 FROM d
-        ON CONFLICT (term_key, changed_at) DO UPDATE SET df = h.df + excluded.df
+    ), terms AS (
+        UPDATE lexical_terms t SET df = t.df + d.df,
+            df_before = CASE WHEN t.changed_at IS DISTINCT FROM now() THEN t.df ELSE t.df_before END,
+            postings_before = CASE WHEN t.changed_at IS DISTINCT FROM now() THEN t.postings ELSE t.postings_before END,
+            changed_at = now()
+        FROM d WHERE t.term_key = d.term_key
+        RETURNING WITH (OLD AS was) t.term_key, was.changed_at, was.df - was.df_before AS df,
+            was.postings - was.postings_before AS postings
     )
-    UPDATE lexical_terms t SET df = t.df + d.df FROM d WHERE t.term_key = d.term_key;
+    INSERT INTO lexical_terms_history AS h (term_key, changed_at, df, postings)  -- as kb_lexical_apply does
+    SELECT term_key, changed_at, df, postings FROM terms WHERE changed_at <> now() AND (df <> 0 OR postings <> 0)
+    ON CONFLICT (term_key, changed_at) DO UPDATE SET df = h.df + excluded.df, postings = h.postings + excluded.postings;
     RETURN NULL;
 END $$;
 
@@ -149,16 +163,22 @@ BEGIN
     RETURN NULL;
 END $$;
 
+-- A term's document frequency and postings as of a time: its history up to then, and its latest change if it was
+-- made by then (still on its row; see kb_lexical_apply).
+CREATE OR REPLACE FUNCTION kb_term_then(t lexical_terms, p_as_of timestamptz, OUT df bigint, OUT postings bigint)
+LANGUAGE sql STABLE AS $$
+    SELECT coalesce(sum(h.df), 0) + CASE WHEN t.changed_at <= p_as_of THEN t.df - t.df_before ELSE 0 END,
+           coalesce(sum(h.postings), 0) + CASE WHEN t.changed_at <= p_as_of THEN t.postings - t.postings_before ELSE 0 END
+    FROM lexical_terms_history h WHERE h.term_key = t.term_key AND h.changed_at <= p_as_of;
+$$;
+
 -- The statistics the query classifier and the answer layer weigh a query's words with, over some sources, live or
 -- as of a time (then from the statistics' history, so a read of the past weighs words as they were weighed then).
 CREATE OR REPLACE FUNCTION kb_term_stats(p_terms text[], p_source_keys int[], p_as_of timestamptz)
 RETURNS TABLE (term text, df bigint, postings bigint) LANGUAGE sql STABLE AS $$
     SELECT t.term, sum(coalesce(past.df, t.df))::bigint, sum(coalesce(past.postings, t.postings))::bigint
     FROM lexical_terms t
-    LEFT JOIN LATERAL (
-        SELECT coalesce(sum(h.df), 0) AS df, coalesce(sum(h.postings), 0) AS postings FROM lexical_terms_history h
-        WHERE h.term_key = t.term_key AND h.changed_at <= p_as_of
-    ) past ON p_as_of IS NOT NULL
+    LEFT JOIN LATERAL kb_term_then(t, p_as_of) AS past ON p_as_of IS NOT NULL
     WHERE t.term = ANY(p_terms) AND t.source_key = ANY(p_source_keys)
     GROUP BY t.term;
 $$;

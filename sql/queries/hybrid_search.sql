@@ -45,10 +45,7 @@ WITH visible AS (
 ), readable_terms AS MATERIALIZED (
     SELECT t.term, t.source_key, t.term_key, coalesce(past.df, t.df) AS df, coalesce(past.postings, t.postings) AS postings
     FROM lexical_terms t JOIN query_terms USING (term) JOIN visible USING (source_key)
-    LEFT JOIN LATERAL (
-        SELECT coalesce(sum(h.df), 0) AS df, coalesce(sum(h.postings), 0) AS postings FROM lexical_terms_history h
-        WHERE h.term_key = t.term_key AND h.changed_at <= %(as_of)s::timestamptz
-    ) past ON %(as_of)s::timestamptz IS NOT NULL
+    LEFT JOIN LATERAL kb_term_then(t, %(as_of)s::timestamptz) AS past ON %(as_of)s::timestamptz IS NOT NULL
 ), term_sources AS MATERIALIZED (
     SELECT t.term, t.source_key, t.term_key, t.df - coalesce(x.df, 0) AS df, t.postings - coalesce(x.postings, 0) AS postings
     FROM readable_terms t
