@@ -34,7 +34,6 @@ BATCH = 5_000
 def load(url: str, settings, chunks: int, drop_index: bool, done: threading.Event, timings: dict) -> None:
     """Write `chunks` chunks of a new source and their vectors as a refresh would."""
     from psycopg import sql
-    from pgvector import HalfVector
 
     from bench.synthetic import unit_vectors, words
     from pipelines.ingest.embed import store_vectors

@@ -4,7 +4,6 @@ did not see; each failed on the code reviewed and passes since its fix."""
 
 from __future__ import annotations
 
-import json
 import subprocess
 import os
 import sys
@@ -13,44 +12,13 @@ from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
-from fastapi.testclient import TestClient
 
 from pipelines.cli import main
 from pipelines.retrieval.search import Filters, search
-from pipelines.serving.api import create_app
 
-KB = str(Path(sys.executable).parent / "kb")
-SECRET = "The zebra bonus pool for directors is 4.2 million EUR and is confidential."
-PUBLIC = "The canteen opens at eight and serves okapi stew on Fridays."
+from test_declarations_decide import KB, PUBLIC, SECRET, found, holds_secret, kb, now, share  # noqa: F401 (share)
+
 QUERY = "zebra bonus pool directors"
-
-
-def kb(*args: str, expect: int = 0) -> str:
-    result = CliRunner().invoke(main, list(args))
-    assert result.exit_code == expect, result.output
-    return result.output
-
-
-def now(conn):
-    return conn.execute("SELECT clock_timestamp()").fetchone()[0]
-
-
-def found(conn, embedder, query: str, groups=(), as_of=None, arm="hybrid", mode="chunks"):
-    hits = search(conn, embedder, query, 20, arm=arm, mode=mode, filters=Filters(groups=list(groups), as_of=as_of))
-    return [(h.source, h.document, h.content) for h in hits]
-
-
-def holds_secret(hits) -> bool:
-    return any("zebra" in content for _, _, content in hits)
-
-
-@pytest.fixture
-def share(tmp_path) -> Path:
-    data = tmp_path / "data"
-    (data / "hr").mkdir(parents=True)
-    (data / "canteen.md").write_text(f"# Canteen\n\n{PUBLIC}\n")
-    (data / "hr" / "bonus.md").write_text(f"# Bonus pool\n\n{SECRET}\n")
-    return data
 
 
 def test_a_file_link_in_a_public_source_serves_a_restricted_sources_file(conn, embedder, tmp_path):

@@ -3,7 +3,7 @@ held, kept as regression tests; tests/test_access_attacks.py has those that did 
 
 from __future__ import annotations
 
-from tests.test_access_attacks import QUERY, SECRET, found, holds_secret, kb, now, share  # noqa: F401 (share: a fixture)
+from test_access_attacks import QUERY, SECRET, found, holds_secret, kb, now, share  # noqa: F401 (share: a fixture)
 
 
 CONSISTENCY = {

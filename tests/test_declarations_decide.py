@@ -36,8 +36,8 @@ def now(conn):
     return conn.execute("SELECT clock_timestamp()").fetchone()[0]
 
 
-def found(conn, embedder, query: str, groups=(), as_of=None, arm="hybrid") -> list[tuple[str, str, str]]:
-    hits = search(conn, embedder, query, 20, arm=arm, filters=Filters(groups=list(groups), as_of=as_of))
+def found(conn, embedder, query: str, groups=(), as_of=None, arm="hybrid", mode="chunks") -> list[tuple[str, str, str]]:
+    hits = search(conn, embedder, query, 20, arm=arm, mode=mode, filters=Filters(groups=list(groups), as_of=as_of))
     return [(h.source, h.document, h.content) for h in hits]
 
 
