@@ -120,10 +120,13 @@ def source_fingerprint(path: str, max_entries: int = 200_000) -> str:
 
 @dg.sensor(job=ingest_job, minimum_interval_seconds=60, default_status=dg.DefaultSensorStatus.STOPPED)
 def source_change_sensor(context: dg.SensorEvaluationContext, kb: KnowledgeBase):
-    """Requests a refresh of each source whose files were added, removed or modified since the last tick."""
+    """Requests a refresh of each source whose files were added, removed or modified since the last tick. A bucket
+    refreshes on its cron: listing it every minute would cost requests (and money) for what a cron run does."""
     seen = json.loads(context.cursor) if context.cursor else {}
     requests = []
     for source in _partitioned(context, kb):
+        if source.kind == "objects":
+            continue
         fingerprint = source_fingerprint(str(source.path))
         if seen.get(source.source_id) != fingerprint:
             requests.append(_refresh(source.source_id, f"{source.source_id}:{fingerprint}", "files changed"))

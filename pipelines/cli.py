@@ -338,13 +338,18 @@ def _name_in_config(conn, settings, path: str) -> str | None:
     return path
 
 
+def _fetched(d: dict) -> str:
+    """What a bucket's crawl downloaded; the rest it knew unchanged from the listing's tags (ETag), at no request."""
+    return f"; {d['documents_fetched']} fetched from object stores" if d.get("documents_fetched") else ""
+
+
 def _ingest_lines(data: dict, unsupported: str) -> list[str]:
     """The run's counters as sentences a person reads: documents, what was skipped, chunks, time, then each failed
     file. Chunks say what happened to them (added, updated in place, closed), not a sum of writes."""
     d = data
     lines = [f"documents: {d['documents_seen']} seen ({d['documents_new']} new, {d['documents_changed']} changed,"
-             f" {d['documents_unchanged']} unchanged), {d['documents_published']} published, {d['documents_deleted']}"
-             f" deleted, {d['documents_failed']} failed",
+             f" {d['documents_unchanged']} unchanged{_fetched(d)}), {d['documents_published']} published,"
+             f" {d['documents_deleted']} deleted, {d['documents_failed']} failed",
              f"chunks: {d['chunks_inserted']} added, {d['chunks_updated']} updated, {d['chunks_closed']} closed;"
              f" {d['embeddings_computed']} embedded, {d['embeddings_reused']} reused; {_count(d['cards_written'], 'Q&A card')}",
              f"time: {sum(d['elapsed_s'].values()):.1f} s (" + ", ".join(f"{stage} {seconds:.2f} s" for stage, seconds
@@ -922,7 +927,7 @@ def _source_line(s) -> str:
 
 @source.command("add")
 @click.argument("name")
-@click.argument("path", type=click.Path(exists=True))
+@click.argument("path")
 @click.option("--include", multiple=True, help="Glob of files to take (repeatable; default: all).")
 @click.option("--exclude", multiple=True, help="Glob of files to skip (repeatable).")
 @click.option("--group", "groups", multiple=True,
@@ -938,7 +943,8 @@ def _source_line(s) -> str:
 @click.option("--json", "as_json", is_flag=True)
 def source_add(name, path, include, exclude, groups, public, freshness_hours, refresh_cron, allow_outside_links,
                max_deletion_share, golden_set, as_json):
-    """Declare source NAME at PATH (a folder, or a .jsonl file of records), readable by --group G ... or --public."""
+    """Declare source NAME at PATH (a folder, a .jsonl file of records, or a bucket: s3://bucket/prefix, gs://, az://),
+    readable by --group G ... or --public."""
     if bool(groups) == public:
         raise click.UsageError("say who may read the source: --group G (repeatable), or --public for every caller")
     from pipelines.sources.declarations import actor, add_source, declare
@@ -995,7 +1001,7 @@ def _changed_fields(before: dict, after: dict) -> str:
 
 @source.command("update")
 @click.argument("name")
-@click.option("--location", type=click.Path(exists=True), help="Move the source to this folder or .jsonl file.")
+@click.option("--location", help="Move the source to this folder, .jsonl file or bucket URL.")
 @click.option("--include", multiple=True, help="Replace the include globs (repeatable).")
 @click.option("--exclude", multiple=True, help="Replace the exclude globs (repeatable).")
 @click.option("--clear-globs", is_flag=True, help="Take every file again (no include or exclude globs).")

@@ -31,12 +31,13 @@ import psycopg
 from pipelines.ingest.elements import Element, ParsedDocument, without_nul, write_elements
 from pipelines.ingest.failures import Failure, record_failure
 from pipelines.ingest.formats import UnsupportedFormat, format_of, supported
-from pipelines.ingest.hashing import hash_stream, hash_text
+from pipelines.ingest.hashing import hash_bytes, hash_stream, hash_text
 from pipelines.ingest.parse import PARSER_VERSION
 from pipelines.ingest.report import NO_PROGRESS, Progress, StageReport
 from pipelines.settings import Limits
-from pipelines.sources.declarations import Source, add_coverage, load_sources, narrower
+from pipelines.sources.declarations import TREES, Source, add_coverage, load_sources, narrower
 from pipelines.sources.files import OutsideSource, RootChanged, host, identity, open_below, open_root, walk_below
+from pipelines.sources.objects import Reader, address, list_objects
 from pipelines.sources.overlaps import Place, below, mounts_below, place
 from pipelines.storage import bulk
 from pipelines.storage.locks import LOCK_NAMESPACE
@@ -50,9 +51,10 @@ class Found:
     doc_format: str
     size: int
     mtime: datetime | None
-    content_hash: str | None  # None: unchanged by the stat check, keep the stored hash
+    content_hash: str | None  # None: unchanged by the stat check (or the object's tag), keep the stored hash
     record: dict | None = None
     failed: bool = False  # a known document that could not be read: it keeps its last good version
+    version_tag: str | None = None  # an object's ETag (or its store's like): read again only when it changes
 
 
 @dataclass
@@ -91,7 +93,7 @@ def _selected(relpath: str, source: Source) -> bool:
     return not any(fnmatch.fnmatch(relpath, g) for g in source.exclude)
 
 
-Known = dict[str, tuple[int, "datetime | None", str]]  # locator -> (size, mtime, content_hash)
+Known = dict[str, tuple[int, "datetime | None", str, "str | None"]]  # locator -> (size, mtime, content_hash, tag)
 
 
 def _printable(name: str) -> str:
@@ -156,6 +158,46 @@ def walk_folder(crawl: Crawl, known: Known, progress: Progress = NO_PROGRESS) ->
                 crawl.fail(relpath, f"cannot read {root / relpath}: {reason}" if isinstance(exc, OSError)
                            else f"{root / relpath}: {reason}")
                 yield Found(relpath, "", 0, None, None, failed=True)
+
+
+def walk_objects(crawl: Crawl, known: Known, progress: Progress = NO_PROGRESS) -> Iterator[Found]:
+    """Yield the objects below the source's prefix, by key. One whose tag and size are the stored ones is not read; any
+    other is read (no more than the per-file limit) and hashed. The listing is whole or the crawl fails
+    (pipelines/sources/objects.py). Keys are named like a folder's files: hidden parts and other sources' prefixes
+    are skipped, globs select."""
+    source, url = crawl.source, crawl.source.location
+    listed = []
+    for obj in list_objects(url):
+        relpath = obj.key
+        if any(part.startswith(".") for part in relpath.split("/")) or not _selected(relpath, source) or any(
+                relpath == nested or relpath.startswith(nested + "/") for nested in crawl.nested):
+            continue
+        if crawl.skip_unsupported and not supported(relpath):
+            crawl.skip(relpath, f"unsupported file type {Path(relpath).suffix.lower() or '(no extension)'}")
+            continue
+        listed.append(obj)
+    progress.total(len(listed))
+    reader = Reader(url) if listed else None
+    limit = crawl.limits.max_file_mb * 1e6
+    for obj in listed:
+        stored = known.get(obj.key)
+        try:
+            doc_format = format_of(obj.key)
+            if obj.size == 0:
+                raise ValueError("empty object (0 bytes)")
+            if obj.size > limit:
+                raise ValueError(f"the object is {obj.size / 1e6:.1f} MB, over the {crawl.limits.max_file_mb:g} MB"
+                                 " limit (KB_MAX_FILE_MB)")
+            if stored is not None and (stored[0], stored[3]) == (obj.size, obj.tag):
+                yield Found(obj.key, doc_format, obj.size, obj.mtime, None, version_tag=obj.tag)
+                continue
+            data = reader.read(obj.key, limit)
+            crawl.report.counts["fetched"] += 1
+        except (OSError, UnsupportedFormat, ValueError) as exc:
+            crawl.fail(obj.key, f"{address(url, obj.key)}: {exc}")
+            yield Found(obj.key, "", 0, None, None, failed=True)
+            continue
+        yield Found(obj.key, doc_format, len(data), obj.mtime, hash_bytes(data), version_tag=obj.tag)
 
 
 def _another_root(crawl: Crawl, name: str, dir_fd: int, relpath: str) -> bool:
@@ -349,20 +391,21 @@ def record_elements(record: dict) -> ParsedDocument:
 
 def _known_documents(conn: psycopg.Connection, source_id: str) -> Known:
     rows = conn.execute(
-        "SELECT locator, size_bytes, mtime, content_hash FROM documents WHERE source_id = %s AND deleted_at IS NULL",
-        (source_id,),
-    )
-    return {r[0]: (r[1], r[2], r[3]) for r in rows}
+        "SELECT locator, size_bytes, mtime, content_hash, version_tag FROM documents"
+        " WHERE source_id = %s AND deleted_at IS NULL", (source_id,))
+    return {r[0]: r[1:] for r in rows}
 
 
 MERGE_DOCUMENTS = """
-INSERT INTO documents AS d (source_id, locator, doc_format, size_bytes, mtime, content_hash, title)
-SELECT %(source_id)s, s.locator, s.doc_format, s.size_bytes, s.mtime, s.content_hash, s.title FROM kb_found s
+INSERT INTO documents AS d (source_id, locator, doc_format, size_bytes, mtime, content_hash, title, version_tag)
+SELECT %(source_id)s, s.locator, s.doc_format, s.size_bytes, s.mtime, s.content_hash, s.title, s.version_tag
+FROM kb_found s
 ON CONFLICT (source_id, locator) DO UPDATE
     SET doc_format = excluded.doc_format, size_bytes = excluded.size_bytes, mtime = excluded.mtime,
-        content_hash = excluded.content_hash, deleted_at = NULL
-    WHERE (d.doc_format, d.size_bytes, d.mtime, d.content_hash, d.deleted_at)
-          IS DISTINCT FROM (excluded.doc_format, excluded.size_bytes, excluded.mtime, excluded.content_hash, NULL)
+        content_hash = excluded.content_hash, version_tag = excluded.version_tag, deleted_at = NULL
+    WHERE (d.doc_format, d.size_bytes, d.mtime, d.content_hash, d.version_tag, d.deleted_at)
+          IS DISTINCT FROM (excluded.doc_format, excluded.size_bytes, excluded.mtime, excluded.content_hash,
+                            excluded.version_tag, NULL)
 """
 
 # Records whose elements are not of their content, or not of this parser version (as parse.PENDING for files).
@@ -372,14 +415,15 @@ WHERE source_id = %(source_id)s AND locator = ANY(%(locators)s)
   AND (parsed_hash IS DISTINCT FROM content_hash OR parser_version IS DISTINCT FROM %(parser)s)
 """
 
-FOUND_COLUMNS = ("locator", "doc_format", "size_bytes", "mtime", "content_hash", "title")
-FOUND_SHAPE = "locator text, doc_format text, size_bytes bigint, mtime timestamptz, content_hash text, title text"
+FOUND_COLUMNS = ("locator", "doc_format", "size_bytes", "mtime", "content_hash", "title", "version_tag")
+FOUND_SHAPE = ("locator text, doc_format text, size_bytes bigint, mtime timestamptz, content_hash text, title text,"
+               " version_tag text")
 
 
 def _merge(conn: psycopg.Connection, source_id: str, changed: list[Found]) -> None:
     bulk.stage_rows(conn, "kb_found", FOUND_SHAPE, FOUND_COLUMNS, (
-        (f.locator, f.doc_format, f.size, f.mtime, f.content_hash, (f.record or {}).get("title") or None)
-        for f in changed))
+        (f.locator, f.doc_format, f.size, f.mtime, f.content_hash, (f.record or {}).get("title") or None,
+         f.version_tag) for f in changed))
     conn.execute(MERGE_DOCUMENTS, {"source_id": source_id})
     records = {f.locator: f for f in changed if f.record is not None}
     stale = conn.execute(STALE_RECORDS, {"source_id": source_id, "locators": list(records),
@@ -495,7 +539,7 @@ def _hand_over(conn: psycopg.Connection, crawl: Crawl, folder: str, owned: Owned
     held = [locator for locator in known if locator == folder or locator.startswith(folder + "/")]
     if not held:
         return
-    if owner.kind == "folder" and conn.execute("SELECT pg_try_advisory_xact_lock(%s, hashtext(%s))",
+    if owner.kind in TREES and conn.execute("SELECT pg_try_advisory_xact_lock(%s, hashtext(%s))",
                                                (LOCK_NAMESPACE, owner.source_id)).fetchone()[0]:
         conn.execute("SELECT kb_move_documents(%s, %s, %s, %s)",
                      (source.source_id, folder, owner.source_id, owned.within))
@@ -523,7 +567,8 @@ def crawl_source(conn: psycopg.Connection, source: Source, report: StageReport, 
         known = _known_documents(conn, source.source_id)
         for folder, owned in sorted(inside.items()):
             _hand_over(conn, crawl, folder, owned, known)
-        found = walk_folder(crawl, known, progress) if source.kind == "folder" else read_records(crawl, progress)
+        walk = {"folder": walk_folder, "objects": walk_objects}.get(source.kind)
+        found = walk(crawl, known, progress) if walk else read_records(crawl, progress)
         batch: list[Found] = []
         for item in found:
             crawl.seen.add(item.locator)
@@ -564,7 +609,7 @@ def crawl_source(conn: psycopg.Connection, source: Source, report: StageReport, 
 def extract(conn: psycopg.Connection, sources: list[Source], limits: Limits = Limits(),
             allow_deletions: bool = False, progress: Progress = NO_PROGRESS,
             accept_new_root: bool = False, skip_unsupported: bool = True) -> StageReport:
-    report = StageReport(STAGE, ("seen", "new", "changed", "unchanged", "vanished", "skipped"))
+    report = StageReport(STAGE, ("seen", "new", "changed", "unchanged", "fetched", "vanished", "skipped"))
     for source in sources:
         try:
             crawl_source(conn, source, report, limits, allow_deletions, progress=progress,

@@ -47,8 +47,9 @@ from pipelines.ingest.sentences import import_spacy
 from pipelines.ingest.workers import Lost, Workers, spread_map, where
 from pipelines.settings import Limits
 from pipelines.ingest.hashing import hash_bytes
-from pipelines.sources.declarations import resolve_declared
+from pipelines.sources.declarations import where
 from pipelines.sources.files import NotARegularFile, OutsideSource, host, read_below
+from pipelines.sources.objects import Reader, address, is_url
 
 STAGE = "parse"
 # kb's own recipe: bump it when what kb makes of the same bytes changes (this module's elements, titles or metadata,
@@ -226,7 +227,7 @@ def parse_bytes(data: bytes, name: str, doc_format: str, limits: Limits = Limits
 # recorded for these very bytes, if any.
 PENDING = """
 SELECT d.document_id, d.locator, d.doc_format, d.content_hash, s.location, s.source_id, s.allow_outside_links,
-       s.declared_in, s.root_identities ->> %(host)s, f.reason, f.recorded_at
+       s.declared_in, s.kind, s.root_identities ->> %(host)s, f.reason, f.recorded_at
 FROM documents d JOIN sources s USING (source_id)
 LEFT JOIN failures f ON f.source_id = d.source_id AND f.locator = d.locator AND f.stage = 'parse'
                     AND f.content_hash = d.content_hash
@@ -260,15 +261,24 @@ def _parse_task(task: tuple) -> ParsedDocument | str:
 
 
 def _read(root: str, known_root: str | None, locator: str, allow_outside_links: bool, content_hash: str,
-          limits: Limits) -> bytes | str:
-    """The file's bytes as the crawl hashed them, read below its source root; or the reason they cannot be read."""
+          limits: Limits, objects: Reader | None = None) -> bytes | str:
+    """The file's bytes as the crawl hashed them, read below its source root (or the object, from its store); or the
+    reason they cannot be read."""
     try:
-        data = read_below(Path(root), known_root, locator, allow_outside_links, limits.max_file_mb * 1e6)
+        if objects is not None:
+            data = objects.read(locator, limits.max_file_mb * 1e6)
+        else:
+            data = read_below(Path(root), known_root, locator, allow_outside_links, limits.max_file_mb * 1e6)
     except (OutsideSource, NotARegularFile, OSError, ValueError) as exc:
         return str(exc.strerror if isinstance(exc, OSError) and exc.strerror else exc)
     if hash_bytes(data) != content_hash:
         return "the file changed after this run crawled it; the next run reads it again"
     return data
+
+
+def named(root: str, locator: str) -> str:
+    """A document as messages name it: its path, or its object's URL."""
+    return address(root, locator) if is_url(root) else str(Path(root) / locator)
 
 
 def parse_pending(conn: psycopg.Connection, source_ids: list[str] | None = None, batch_size: int = 16,
@@ -283,15 +293,15 @@ def parse_pending(conn: psycopg.Connection, source_ids: list[str] | None = None,
     workers = workers if isinstance(workers, Workers) else Workers(workers)
     pending = []
     params = {"ids": source_ids, "host": host(), "parser": PARSER_VERSION}
-    for (doc_id, locator, doc_format, content_hash, location, source_id, allow, declared_in, known_root,
+    for (doc_id, locator, doc_format, content_hash, location, source_id, allow, declared_in, kind, known_root,
          reason, failed_at) in conn.execute(PENDING, params).fetchall():
         if reason is not None and not retry_failed:
             report.counts["failed_before"] += 1
             report.fail(Failure(source_id, locator, STAGE, f"{reason} (unchanged since it failed on"
                                 f" {failed_at:%Y-%m-%d %H:%M} UTC; not parsed again: `kb ingest --retry-failed`)"))
             continue
-        root = str(resolve_declared(location, declared_in, source_id))
-        pending.append((doc_id, locator, doc_format, content_hash, root, source_id, allow, known_root))
+        root = str(where(location, declared_in, source_id))
+        pending.append((doc_id, locator, doc_format, content_hash, root, source_id, allow, known_root, kind))
     progress.total(len(pending))
     if not workers.dask:  # one changed file starts one worker, not a pool of idle ones
         workers = replace(workers, processes=max(1, min(workers.processes, len(pending))))
@@ -303,11 +313,16 @@ def parse_pending(conn: psycopg.Connection, source_ids: list[str] | None = None,
     def readable() -> Iterator[tuple[str, tuple]]:
         """Each pending file's bytes, read here (below its source root) when a worker is free for it; `sent` keys
         its metadata by the task's position, which spread_map hands back with the result."""
-        position = count()
-        for doc_id, locator, doc_format, content_hash, root, source_id, allow, known_root in pending:
-            data = _read(root, known_root, locator, allow, content_hash, limits)
+        position, stores = count(), {}
+        for doc_id, locator, doc_format, content_hash, root, source_id, allow, known_root, kind in pending:
+            try:
+                objects = (stores.get(root) or stores.setdefault(root, Reader(root))) if kind == "objects" else None
+            except OSError as exc:  # no backend for the store's scheme: every object of it fails the same way
+                data = str(exc)
+            else:
+                data = _read(root, known_root, locator, allow, content_hash, limits, objects)
             if isinstance(data, str):
-                failed.append((Failure(source_id, locator, STAGE, f"{Path(root) / locator}: {data}"), content_hash))
+                failed.append((Failure(source_id, locator, STAGE, f"{named(root, locator)}: {data}"), content_hash))
                 progress.advance()
                 if len(parsed) + len(failed) >= batch_size:  # an unmounted share: recorded as it goes, not held
                     store()
@@ -333,7 +348,7 @@ def parse_pending(conn: psycopg.Connection, source_ids: list[str] | None = None,
             parsed.append((doc_id, content_hash, result, source_id, locator))
         else:
             reason = f"parsing stopped: {result.reason}" if isinstance(result, Lost) else result
-            failed.append((Failure(source_id, locator, STAGE, f"{Path(root) / locator}: {reason}"), content_hash))
+            failed.append((Failure(source_id, locator, STAGE, f"{named(root, locator)}: {reason}"), content_hash))
         progress.advance()
         if len(parsed) + len(failed) >= batch_size:
             store()

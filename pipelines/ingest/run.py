@@ -61,6 +61,7 @@ class IngestSummary:
             "documents_new": ex.get("new", 0),
             "documents_changed": ex.get("changed", 0),
             "documents_unchanged": ex.get("unchanged", 0),
+            "documents_fetched": ex.get("fetched", 0),  # objects downloaded from a store: new or with a new tag
             "documents_deleted": pu.get("deleted", 0),
             "documents_skipped": ex.get("skipped", 0),
             "documents_failed": len({(f.source_id, f.locator) for f in self.failures}),

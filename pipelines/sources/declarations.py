@@ -23,9 +23,11 @@ from psycopg.rows import dict_row
 from psycopg.types.json import Jsonb
 
 from pipelines.ingest.hashing import hash_text
+from pipelines.sources.objects import is_url, normalise
 from pipelines.sources.overlaps import below, coverage, place
 from pipelines.storage.locks import LOCK_NAMESPACE
 
+TREES = ("folder", "objects")  # kinds whose documents are named by their path below the source's location
 NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$")
 GROUP = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:@-]{0,62}$")
 
@@ -38,8 +40,8 @@ class DeclarationError(ValueError):
 @dataclass(frozen=True)
 class Source:
     source_id: str
-    kind: str  # "folder" | "jsonl"
-    location: str  # the folder or .jsonl file: absolute, or relative to the kb.toml that declares it (`path`)
+    kind: str  # "folder" | "jsonl" | "objects"
+    location: str  # the folder or .jsonl file (absolute, or relative to the kb.toml that declares it), or a bucket URL
     include: tuple[str, ...] = ()  # globs of files to take from a folder (empty: all)
     exclude: tuple[str, ...] = ()
     groups: tuple[str, ...] | None = None  # who may read its documents; None: every caller
@@ -51,9 +53,9 @@ class Source:
     golden_set: str | None = None  # JSONL of {"query", "document"} its refreshes must keep finding; None: no gate
 
     @property
-    def path(self) -> Path:
-        """Where the source is on this machine."""
-        return resolve_declared(self.location, self.declared_in, self.source_id)
+    def path(self) -> Path | str:
+        """Where the source is on this machine: a path, or an object store's URL."""
+        return where(self.location, self.declared_in, self.source_id)
 
     def declaration(self) -> dict:
         """Everything that governs the source, as recorded in the audit trail and compared on re-declaration."""
@@ -92,6 +94,11 @@ def resolve_declared(path: str, declared_in: str | None, source_id: str | None =
     return config.resolve().parent / declared
 
 
+def where(location: str, declared_in: str | None, source_id: str | None = None) -> Path | str:
+    """A declared location on this machine: an object store's URL as it is, a path as resolve_declared says."""
+    return location if is_url(location) else resolve_declared(location, declared_in, source_id)
+
+
 def _names_in(config: str) -> frozenset[str]:
     """The source names a kb.toml declares (none when it cannot be read), read again only when the file changes."""
     try:
@@ -111,7 +118,12 @@ def _names_of(config: str, mtime_ns: int, size: int) -> frozenset[str]:
 
 
 def locate(path: str | Path) -> tuple[str, str]:
-    """(kind, absolute location) of a source path: a folder, or a .jsonl file of records."""
+    """(kind, absolute location) of a source path: a folder, a .jsonl file of records, or an object store's URL."""
+    if is_url(str(path)):
+        try:
+            return "objects", normalise(str(path))
+        except ValueError as exc:
+            raise DeclarationError(str(exc)) from None
     resolved = Path(path).expanduser().resolve()
     if resolved.is_dir():
         return "folder", str(resolved)
@@ -128,7 +140,7 @@ def declare(name: str | None, path: str | Path, include=(), exclude=(), groups=N
             declared_in: str | None = None, golden_set: str | Path | None = None) -> Source:
     """A validated declaration; the name defaults to the folder or file name. Paths that a config file
     (`declared_in`) gives relative to itself are kept relative to it; others are made absolute."""
-    kind, location = locate(resolve_declared(str(path), declared_in, name))
+    kind, location = locate(where(str(path), declared_in, name))
     include, exclude, groups = _globs(include, "include"), _globs(exclude, "exclude"), _readers(groups)
     name = name or Path(location).stem
     location = _as_declared(path, location, declared_in)
@@ -194,6 +206,8 @@ def _cron(expression: str | None) -> str | None:
 
 def _as_declared(path: str | Path, resolved: str, declared_in: str | None) -> str:
     """What is stored for a declared path: as written when a config file gave it relative to itself, else absolute."""
+    if is_url(resolved):
+        return resolved
     written = PurePosixPath(Path(path).expanduser())  # `..` kept: `alias/..` is not `.` when alias is a link
     return written.as_posix() if declared_in and not written.is_absolute() else resolved
 
@@ -297,10 +311,10 @@ def _claim_documents(conn: psycopg.Connection, source: Source) -> dict[str, int]
     history, to it: a file belongs to one source, and who may read any version of it is decided by the declaration
     that covers it today (sql/functions/sources.sql). Both sources' runs must be idle. Returns {outer: moved}."""
     here, moved = place(source.path), {}
-    if source.kind != "folder":  # a JSONL source's records are not the outer source's file; coverage hides that file
+    if source.kind not in TREES:  # a JSONL source's records are not the outer source's file; coverage hides that file
         return moved
     for outer in load_sources(conn):
-        if outer.source_id == source.source_id or outer.kind != "folder":
+        if outer.source_id == source.source_id or outer.kind not in TREES:
             continue
         folder = below(here, place(outer.path))
         if not folder:  # not inside (or the same folder, refused above)
@@ -327,12 +341,12 @@ def refresh_coverage(conn: psycopg.Connection, changed: set[str] = frozenset()) 
     folder) is not forgotten by a declaration made on a host that does not see that mount."""
     rows = conn.execute("SELECT source_id, kind, location, declared_in, removed_at IS NULL AND allowed_groups IS NOT NULL"
                         " FROM sources").fetchall()
-    places = {source_id: place(resolve_declared(location, declared_in, source_id))
+    places = {source_id: place(where(location, declared_in, source_id))
               for source_id, _, location, declared_in, _ in rows}
     restricted = [r[0] for r in rows if r[4]]
     conn.execute("DELETE FROM source_coverage WHERE source_id = ANY(%(changed)s) OR covered_by = ANY(%(changed)s)"
                  " OR covered_by <> ALL(%(restricted)s)", {"changed": sorted(changed), "restricted": restricted})
-    covered = coverage(places, restricted, [r[0] for r in rows if r[1] == "folder"])
+    covered = coverage(places, restricted, [r[0] for r in rows if r[1] in TREES])
     if covered:
         add_coverage(conn, covered)
 
@@ -401,7 +415,7 @@ def update_source(conn: psycopg.Connection, source_id: str, who: str, via_config
         stored = _changeable(conn, source_id, via_config, "edit it there and run `kb source apply {}`")
         declared_in = changes.get("declared_in", stored.declared_in)
         if "location" in changes:
-            changes["kind"], resolved = locate(resolve_declared(str(changes["location"]), declared_in, source_id))
+            changes["kind"], resolved = locate(where(str(changes["location"]), declared_in, source_id))
             changes["location"] = _as_declared(changes["location"], resolved, declared_in)
         if "groups" in changes:
             changes["groups"] = _readers(changes["groups"])

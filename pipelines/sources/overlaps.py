@@ -5,7 +5,8 @@ through a bind mount of `data/hr`, a share mounted twice. Comparing the text of 
 folder be served to everyone as part of a public source that reaches it by another name. So a path is reduced to its
 place: the filesystem it lives on (the device of its mount, from /proc/self/mountinfo) and its path inside that
 filesystem (the mount's own root plus the rest of the real path), which is the same for every name of one folder.
-A mount can appear after a source was declared, so this is decided again at every crawl (pipelines/ingest/extract.py),
+An object store's URL is its bucket and a prefix in it: compared with the other prefixes of that bucket only. A mount
+can appear after a source was declared, so this is decided again at every crawl (pipelines/ingest/extract.py),
 where the walk also compares each folder's device and inode with the other sources' roots.
 
 From the places, `coverage` says which part of which source a restricted source's folder holds: a caller outside
@@ -19,6 +20,9 @@ import re
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 from typing import Iterable
+from urllib.parse import urlsplit
+
+from pipelines.sources.objects import is_url, store_of
 
 MOUNTINFO = Path("/proc/self/mountinfo")
 _ESCAPED = re.compile(r"\\([0-7]{3})")
@@ -34,9 +38,16 @@ class Place:
     path: PurePosixPath
     real: PurePosixPath
 
+    @property
+    def remote(self) -> bool:
+        return self.device is not None and "://" in self.device
+
     def _pairs(self, other: "Place") -> list[tuple[PurePosixPath, PurePosixPath]]:
         """The ways to compare the two: their real paths always (a folder below a mount point is inside the folder
-        above it), and their paths inside one filesystem when both are on it here (a bind mount is its source)."""
+        above it), and their paths inside one filesystem when both are on it here (a bind mount is its source). A
+        bucket is compared with places in that bucket only, by prefix."""
+        if self.remote or other.remote:
+            return [(self.path, other.path)] if self.device == other.device else []
         pairs = [(self.real, other.real)]
         if self.device is not None and self.device == other.device:
             pairs.append((self.path, other.path))
@@ -73,7 +84,12 @@ def _mounts() -> list[_Mount]:
 
 
 def place(path: str | os.PathLike, mounts: list[_Mount] | None = None) -> Place:
-    """The place of a folder or file; a path missing here is compared by its text, resolved as far as it exists."""
+    """The place of a folder or file; a path missing here is compared by its text, resolved as far as it exists. An
+    object store's URL is its bucket (`device`: scheme://bucket) and its prefix in it."""
+    if is_url(str(path)):
+        parts = urlsplit(str(path))
+        prefix = PurePosixPath("/", parts.path.strip("/"))
+        return Place(store_of(str(path)), prefix, prefix)
     try:
         real = PurePosixPath(os.path.realpath(path, strict=True))
     except OSError:
