@@ -339,8 +339,9 @@ def _name_in_config(conn, settings, path: str) -> str | None:
 
 
 def _fetched(d: dict) -> str:
-    """What a bucket's crawl downloaded; the rest it knew unchanged from the listing's tags (ETag), at no request."""
-    return f"; {d['documents_fetched']} fetched from object stores" if d.get("documents_fetched") else ""
+    """What the crawls of buckets and tables read; the rest they knew unchanged by the listing's ETag or the row's
+    version, without reading it."""
+    return f"; {d['documents_fetched']} fetched from buckets or tables" if d.get("documents_fetched") else ""
 
 
 def _ingest_lines(data: dict, unsupported: str) -> list[str]:
@@ -940,19 +941,33 @@ def _source_line(s) -> str:
               help="A crawl that would soft-delete more of the source's documents deletes none unless confirmed.")
 @click.option("--golden-set", type=click.Path(exists=True, dir_okay=False),
               help="JSONL of {query, document} its refreshes must keep finding (default: no gate).")
+@click.option("--table", "table_name", help="A database source's table (schema.table); or --query.")
+@click.option("--query", help="A database source's rows: a SELECT (run read-only, as a subquery).")
+@click.option("--id-column", help="The column naming each row's document.")
+@click.option("--text-column", multiple=True, help="A column of the document's text (repeatable: paragraphs).")
+@click.option("--title-column", help="The column of the document's title.")
+@click.option("--version-column", help="A column that changes whenever the row does (updated_at): only changed rows"
+                                       " are fetched.")
+@click.option("--metadata-column", multiple=True, help="A column kept with the document, for filters (repeatable).")
 @click.option("--json", "as_json", is_flag=True)
 def source_add(name, path, include, exclude, groups, public, freshness_hours, refresh_cron, allow_outside_links,
-               max_deletion_share, golden_set, as_json):
-    """Declare source NAME at PATH (a folder, a .jsonl file of records, or a bucket: s3://bucket/prefix, gs://, az://),
-    readable by --group G ... or --public."""
+               max_deletion_share, golden_set, table_name, query, id_column, text_column, title_column, version_column,
+               metadata_column, as_json):
+    """Declare source NAME at PATH, readable by --group G ... or --public. PATH is a folder, a .jsonl file of records,
+    a bucket (s3://bucket/prefix, gs://, az://), or a database (postgresql://USER@HOST/DB, with --table or --query,
+    --id-column and --text-column; the password from PGPASSWORD or ~/.pgpass)."""
     if bool(groups) == public:
         raise click.UsageError("say who may read the source: --group G (repeatable), or --public for every caller")
     from pipelines.sources.declarations import actor, add_source, declare
     from pipelines.storage.database import connect
 
     with connect(load_settings()) as conn:
+        table = {key: value for key, value in (("name", table_name), ("query", query), ("id", id_column),
+                                               ("text", list(text_column)), ("title", title_column),
+                                               ("version", version_column), ("metadata", list(metadata_column)))
+                 if value} or None
         declared = declare(name, path, include, exclude, groups or None, freshness_hours, refresh_cron,
-                           allow_outside_links, max_deletion_share, golden_set=golden_set)
+                           allow_outside_links, max_deletion_share, golden_set=golden_set, table=table)
         written = add_source(conn, declared, actor("kb source add"))
         _sync_dagster(conn)
     _emit({**_source_dict(declared), "changed": written}, as_json,

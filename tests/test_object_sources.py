@@ -218,7 +218,7 @@ def test_a_restricted_prefix_inside_a_public_bucket_is_read_only_by_its_groups(s
                                                   as_of=conn.execute("SELECT now()").fetchone()[0]))
     assert [d for d, c in texts(conn, embedder, "zebra bonus pool directors", ["hr"]) if "zebra" in c] == ["bonus.md"]
     refused = kb("source", "add", "open", f"s3://{name}/hr/", "--public", expect=2)
-    assert "is the folder of source 'hr'" in refused
+    assert "is the location of source 'hr'" in refused
 
 
 def test_declarations_of_buckets_refuse_credentials_and_kinds_kb_does_not_read(settings):

@@ -38,6 +38,7 @@ from pipelines.settings import Limits
 from pipelines.sources.declarations import TREES, Source, add_coverage, load_sources, narrower
 from pipelines.sources.files import OutsideSource, RootChanged, host, identity, open_below, open_root, walk_below
 from pipelines.sources.objects import Reader, address, list_objects
+from pipelines.sources.tables import Rows
 from pipelines.sources.overlaps import Place, below, mounts_below, place
 from pipelines.storage import bulk
 from pipelines.storage.locks import LOCK_NAMESPACE
@@ -378,6 +379,45 @@ def _records(crawl: Crawl, handle, location: str, progress: Progress) -> Iterato
         yield Found(locator, "record", len(canonical.encode()), None, hash_text(canonical), record)
 
 
+def walk_table(crawl: Crawl, known: Known, progress: Progress = NO_PROGRESS) -> Iterator[Found]:
+    """Yield each row of a table source as a record (pipelines/sources/tables.py): rows whose version is the stored one
+    are not fetched. A row with no id blinds the crawl (nothing deleted); an id on several rows is an error for that
+    id, whose last good version stays, like a JSONL _id on several lines."""
+    source, spec = crawl.source, crawl.source.table
+    with Rows(source.location, spec, str(source.path)) as rows:
+        keys = rows.keys()
+        copies = Counter(row_id for row_id, _ in keys)
+        progress.total(len(copies))
+        wanted: dict[str, str | None] = {}
+        for row_id, version in keys:
+            if row_id is None:
+                if not crawl.blind:
+                    crawl.fail("(no id)", f"{source.path}: a row's {spec.id} is NULL; no row is deleted while one"
+                                          " cannot be named")
+                crawl.blind = True
+            elif copies[row_id] > 1:
+                if row_id not in wanted:
+                    crawl.fail(row_id, f"{source.path}: {spec.id} {row_id!r} is on {copies[row_id]} rows; every copy is"
+                                       " rejected and its last good version kept")
+                    yield Found(row_id, "record", 0, None, None, failed=True)
+                wanted.setdefault(row_id, None)
+            elif spec.version and version is not None and (stored := known.get(row_id)) and stored[3] == version:
+                yield Found(row_id, "record", stored[0], None, None, version_tag=version)
+            else:
+                wanted[row_id] = version
+        fetch = [row_id for row_id in wanted if copies[row_id] == 1]
+        for row_id, record in rows.records(fetch):
+            crawl.report.counts["fetched"] += 1
+            if problem := _record_problem(record, crawl.limits):
+                crawl.fail(row_id, f"{source.path}: {spec.id} {row_id!r}: {problem}")
+                yield Found(row_id, "record", 0, None, None, failed=True)
+                continue
+            record = without_nul(record)
+            canonical = json.dumps(record, sort_keys=True, ensure_ascii=False)
+            yield Found(row_id, "record", len(canonical.encode()), None, hash_text(canonical), record,
+                        version_tag=wanted[row_id])
+
+
 def record_elements(record: dict) -> ParsedDocument:
     """A record is already structured: its title is the heading, each paragraph of its text an element."""
     title = str(record.get("title") or "").strip()
@@ -567,7 +607,7 @@ def crawl_source(conn: psycopg.Connection, source: Source, report: StageReport, 
         known = _known_documents(conn, source.source_id)
         for folder, owned in sorted(inside.items()):
             _hand_over(conn, crawl, folder, owned, known)
-        walk = {"folder": walk_folder, "objects": walk_objects}.get(source.kind)
+        walk = {"folder": walk_folder, "objects": walk_objects, "table": walk_table}.get(source.kind)
         found = walk(crawl, known, progress) if walk else read_records(crawl, progress)
         batch: list[Found] = []
         for item in found:

@@ -23,8 +23,10 @@ from psycopg.rows import dict_row
 from psycopg.types.json import Jsonb
 
 from pipelines.ingest.hashing import hash_text
+from pipelines.sources import tables
 from pipelines.sources.objects import is_url, normalise
 from pipelines.sources.overlaps import below, coverage, place
+from pipelines.sources.tables import TableSpec, place_path
 from pipelines.storage.locks import LOCK_NAMESPACE
 
 TREES = ("folder", "objects")  # kinds whose documents are named by their path below the source's location
@@ -40,8 +42,9 @@ class DeclarationError(ValueError):
 @dataclass(frozen=True)
 class Source:
     source_id: str
-    kind: str  # "folder" | "jsonl" | "objects"
-    location: str  # the folder or .jsonl file (absolute, or relative to the kb.toml that declares it), or a bucket URL
+    kind: str  # "folder" | "jsonl" | "objects" | "table"
+    location: str  # the folder or .jsonl file (absolute, or relative to the kb.toml that declares it), a bucket's URL,
+    #                or a database's (postgresql://)
     include: tuple[str, ...] = ()  # globs of files to take from a folder (empty: all)
     exclude: tuple[str, ...] = ()
     groups: tuple[str, ...] | None = None  # who may read its documents; None: every caller
@@ -51,16 +54,23 @@ class Source:
     max_deletion_share: float = 0.5  # a crawl that would soft-delete more of the live documents deletes none
     declared_in: str | None = None  # the config file that declares the source; None: the CLI
     golden_set: str | None = None  # JSONL of {"query", "document"} its refreshes must keep finding; None: no gate
+    table: TableSpec | None = None  # a table source's rows and columns
 
     @property
     def path(self) -> Path | str:
-        """Where the source is on this machine: a path, or an object store's URL."""
+        """Where the source is on this machine: a path, an object store's URL, or its table's (tables.place_path)."""
+        if self.table is not None:
+            return place_path(self.location, self.table)
         return where(self.location, self.declared_in, self.source_id)
 
     def declaration(self) -> dict:
         """Everything that governs the source, as recorded in the audit trail and compared on re-declaration."""
         data = asdict(self)
         del data["source_id"]
+        if self.table is None:  # only a table source has one: other declarations read as they always did
+            del data["table"]
+        else:
+            data["table"] = self.table.stored()
         return {k: list(v) if isinstance(v, tuple) else v for k, v in data.items()}
 
 
@@ -69,14 +79,17 @@ COLUMNS = {  # Source field -> sources column
     "exclude": "exclude_globs", "groups": "allowed_groups", "freshness_hours": "freshness_hours",
     "refresh_cron": "refresh_cron", "allow_outside_links": "allow_outside_links",
     "max_deletion_share": "max_deletion_share", "declared_in": "declared_in", "golden_set": "golden_set",
+    "table": "table_spec",
 }
 SELECT = f"SELECT {', '.join(COLUMNS.values())} FROM sources"
+SELECT_WITH_STATE = f"SELECT {', '.join(COLUMNS.values())}, removed_at IS NULL FROM sources"
 
 
 def _from_row(row: tuple) -> Source:
     values = dict(zip(COLUMNS, row))
     values["include"], values["exclude"] = tuple(values["include"]), tuple(values["exclude"])
     values["groups"] = tuple(values["groups"]) if values["groups"] else None
+    values["table"] = TableSpec.declared(values["table"]) if values["table"] else None
     return Source(**values)
 
 
@@ -121,7 +134,8 @@ def locate(path: str | Path) -> tuple[str, str]:
     """(kind, absolute location) of a source path: a folder, a .jsonl file of records, or an object store's URL."""
     if is_url(str(path)):
         try:
-            return "objects", normalise(str(path))
+            return ("table", tables.normalise(str(path))) if tables.is_database(str(path)) else \
+                ("objects", normalise(str(path)))
         except ValueError as exc:
             raise DeclarationError(str(exc)) from None
     resolved = Path(path).expanduser().resolve()
@@ -137,7 +151,7 @@ def locate(path: str | Path) -> tuple[str, str]:
 
 def declare(name: str | None, path: str | Path, include=(), exclude=(), groups=None, freshness_hours=None,
             refresh_cron=None, allow_outside_links: bool = False, max_deletion_share: float = 0.5,
-            declared_in: str | None = None, golden_set: str | Path | None = None) -> Source:
+            declared_in: str | None = None, golden_set: str | Path | None = None, table: dict | None = None) -> Source:
     """A validated declaration; the name defaults to the folder or file name. Paths that a config file
     (`declared_in`) gives relative to itself are kept relative to it; others are made absolute."""
     kind, location = locate(where(str(path), declared_in, name))
@@ -148,7 +162,22 @@ def declare(name: str | None, path: str | Path, include=(), exclude=(), groups=N
         raise DeclarationError(f"source name {name!r}: use letters, digits, '.', '_' or '-' (at most 63 characters)")
     return Source(name, kind, location, include, exclude, groups,
                   _positive(freshness_hours), _cron(refresh_cron), bool(allow_outside_links),
-                  _share(max_deletion_share), declared_in, _golden(golden_set, declared_in, name))
+                  _share(max_deletion_share), declared_in, _golden(golden_set, declared_in, name), _table(kind, table))
+
+
+def _table(kind: str, table: dict | None) -> TableSpec | None:
+    """A table source's spec: required for a database location, refused for any other."""
+    if kind != "table":
+        if table is not None:
+            raise DeclarationError("table = ... declares the rows of a database table: give a postgresql:// location")
+        return None
+    if table is None:
+        raise DeclarationError("a postgresql:// location needs its table: name (or query), id and text columns"
+                               " ([sources.NAME.table] in kb.toml, or --table, --id-column, --text-column)")
+    try:
+        return TableSpec.declared(table)
+    except ValueError as exc:
+        raise DeclarationError(str(exc)) from None
 
 
 def _globs(globs, key: str) -> tuple[str, ...]:
@@ -254,6 +283,7 @@ def _write(conn: psycopg.Connection, source: Source) -> None:
     values = {COLUMNS[f.name]: getattr(source, f.name) for f in fields(Source)}
     for column in ("include_globs", "exclude_globs", "allowed_groups"):
         values[column] = list(values[column]) if values[column] is not None else None
+    values["table_spec"] = Jsonb(source.table.stored()) if source.table else None
     names = list(values)
     conn.execute(
         f"INSERT INTO sources ({', '.join(names)}) VALUES ({', '.join('%s' for _ in names)})"
@@ -271,7 +301,7 @@ def _locked(conn: psycopg.Connection, source_id: str) -> Source | None:
 
 def differences(old: Source, new: Source) -> list[str]:
     before, after = old.declaration(), new.declaration()
-    return [name for name in before if before[name] != after[name]]
+    return [f.name for f in fields(Source) if before.get(f.name) != after.get(f.name) and f.name != "source_id"]
 
 
 def narrower(inner: Source, outer: Source) -> bool:
@@ -291,7 +321,8 @@ def check_overlaps(conn: psycopg.Connection, source: Source) -> None:
             continue
         there = place(other.path)
         if here.holds(there) and there.holds(here):
-            raise DeclarationError(f"{source.path} is the folder of source {other.source_id!r} ({other.path}): one folder"
+            what = "folder" if source.kind in ("folder", "jsonl") else "location"
+            raise DeclarationError(f"{source.path} is the {what} of source {other.source_id!r} ({other.path}): one {what}"
                                    " is one source (a second name would serve its files under other groups)")
         if there.holds(here):
             outer, inner = other, source
@@ -339,14 +370,12 @@ def refresh_coverage(conn: psycopg.Connection, changed: set[str] = frozenset()) 
     other sources (declared or removed) hold in its folder. Rows of the `changed` sources, and of sources no longer
     declared restricted, are recomputed; the others stay, so a cover found by a crawl's walk (a mount inside a
     folder) is not forgotten by a declaration made on a host that does not see that mount."""
-    rows = conn.execute("SELECT source_id, kind, location, declared_in, removed_at IS NULL AND allowed_groups IS NOT NULL"
-                        " FROM sources").fetchall()
-    places = {source_id: place(where(location, declared_in, source_id))
-              for source_id, _, location, declared_in, _ in rows}
-    restricted = [r[0] for r in rows if r[4]]
+    rows = [(_from_row(row[:-1]), row[-1]) for row in conn.execute(SELECT_WITH_STATE)]
+    places = {source.source_id: place(source.path) for source, _ in rows}
+    restricted = [source.source_id for source, declared in rows if declared and source.groups is not None]
     conn.execute("DELETE FROM source_coverage WHERE source_id = ANY(%(changed)s) OR covered_by = ANY(%(changed)s)"
                  " OR covered_by <> ALL(%(restricted)s)", {"changed": sorted(changed), "restricted": restricted})
-    covered = coverage(places, restricted, [r[0] for r in rows if r[1] in TREES])
+    covered = coverage(places, restricted, [source.source_id for source, _ in rows if source.kind in TREES])
     if covered:
         add_coverage(conn, covered)
 
@@ -498,7 +527,7 @@ def parse_config(text: str, path: str | Path) -> list[Source]:
     except tomllib.TOMLDecodeError as exc:
         raise DeclarationError(f"{path}: cannot read the source declarations: {exc}") from exc
     known = {"location", "include", "exclude", "groups", "public", "freshness_hours", "refresh_cron",
-             "allow_outside_links", "max_deletion_share", "golden_set"}
+             "allow_outside_links", "max_deletion_share", "golden_set", "table"}
     if other := sorted(set(data) - {"sources"}):  # `[source.x]` declared nothing, silently
         raise DeclarationError(f"{path}: unknown table{'s' if len(other) > 1 else ''} {', '.join(f'[{t}]' for t in other)};"
                                " declare each source as [sources.NAME] (with location, and groups or public = true)")
@@ -522,7 +551,8 @@ def parse_config(text: str, path: str | Path) -> list[Source]:
             declared.append(declare(name, str(table["location"]), table.get("include", ()), table.get("exclude", ()),
                                     table.get("groups"), table.get("freshness_hours"), table.get("refresh_cron"),
                                     table.get("allow_outside_links", False), table.get("max_deletion_share", 0.5),
-                                    declared_in=str(config), golden_set=table.get("golden_set")))
+                                    declared_in=str(config), golden_set=table.get("golden_set"),
+                                    table=table.get("table")))
         except DeclarationError as exc:
             raise DeclarationError(f"{path}: [sources.{name}]: {exc}") from exc
     return declared
