@@ -1,7 +1,8 @@
 """Jobs, and the automation that keeps each declared source fresh: its partition kept in step with the
 declarations and a refresh when its cron says so, both running from the moment the code location loads (no
 click in the UI); a refresh when its files change, off by default (it walks every source folder each minute);
-and the daily staleness sweep, an automation condition on its asset evaluated by `kb_automation`.
+a refresh when the asset a source names as its upstream materializes; and the daily staleness sweep, an automation
+condition on its asset evaluated by `kb_automation`.
 
 The per-source pieces are sensors rather than schedules because sources are declared at run time (kb.toml or
 `kb source add`), each with its own cron, and a new source must not need a code reload.
@@ -135,8 +136,28 @@ def source_change_sensor(context: dg.SensorEvaluationContext, kb: KnowledgeBase)
     return requests
 
 
+@dg.sensor(job=ingest_job, minimum_interval_seconds=30, default_status=dg.DefaultSensorStatus.RUNNING)
+def upstream_refresh(context: dg.SensorEvaluationContext, kb: KnowledgeBase):
+    """Requests a refresh of each source whose declared upstream asset (another code location's, or any asset of the
+    instance: a dbt model, an export job) materialized since the last tick. What the sensor last saw of each upstream
+    is its cursor; a source it sees for the first time is only noted, so declaring one refreshes nothing by itself."""
+    seen = json.loads(context.cursor) if context.cursor else {}
+    requests = []
+    for source in _partitioned(context, kb):
+        if source.upstream is None:
+            continue
+        records = context.instance.fetch_materializations(dg.AssetKey.from_user_string(source.upstream), limit=1)
+        latest = records.records[0].storage_id if records.records else 0
+        if source.source_id in seen and latest > seen[source.source_id]:
+            requests.append(_refresh(source.source_id, f"{source.source_id}:upstream:{latest}",
+                                     f"{source.upstream} materialized"))
+        seen[source.source_id] = latest
+    context.update_cursor(json.dumps(seen, sort_keys=True))
+    return requests
+
+
 # The staleness sweep's cron (an automation condition on stale_documents), evaluated without a click.
 kb_automation = dg.AutomationConditionSensorDefinition("kb_automation", target=dg.AssetSelection.assets(stale_documents),
                                                        default_status=dg.DefaultSensorStatus.RUNNING)
 
-SENSORS = [source_partitions, scheduled_refresh, source_change_sensor, kb_automation]
+SENSORS = [source_partitions, scheduled_refresh, source_change_sensor, upstream_refresh, kb_automation]

@@ -949,10 +949,11 @@ def _source_line(s) -> str:
 @click.option("--version-column", help="A column that changes whenever the row does (updated_at): only changed rows"
                                        " are fetched.")
 @click.option("--metadata-column", multiple=True, help="A column kept with the document, for filters (repeatable).")
+@click.option("--upstream", help="The Dagster asset that produces the source (marts/faq): refresh when it materializes.")
 @click.option("--json", "as_json", is_flag=True)
 def source_add(name, path, include, exclude, groups, public, freshness_hours, refresh_cron, allow_outside_links,
                max_deletion_share, golden_set, table_name, query, id_column, text_column, title_column, version_column,
-               metadata_column, as_json):
+               metadata_column, upstream, as_json):
     """Declare source NAME at PATH, readable by --group G ... or --public. PATH is a folder, a .jsonl file of records,
     a bucket (s3://bucket/prefix, gs://, az://), or a database (postgresql://USER@HOST/DB, with --table or --query,
     --id-column and --text-column; the password from PGPASSWORD or ~/.pgpass)."""
@@ -967,7 +968,8 @@ def source_add(name, path, include, exclude, groups, public, freshness_hours, re
                                                ("version", version_column), ("metadata", list(metadata_column)))
                  if value} or None
         declared = declare(name, path, include, exclude, groups or None, freshness_hours, refresh_cron,
-                           allow_outside_links, max_deletion_share, golden_set=golden_set, table=table)
+                           allow_outside_links, max_deletion_share, golden_set=golden_set, table=table,
+                           upstream=upstream)
         written = add_source(conn, declared, actor("kb source add"))
         _sync_dagster(conn)
     _emit({**_source_dict(declared), "changed": written}, as_json,

@@ -12,7 +12,7 @@ from pathlib import Path
 import dagster as dg
 
 from assets.automation import (SENSORS, ingest_job, kb_automation, scheduled_refresh, scheduled_refresh_sensor,
-                               source_change_sensor)
+                               source_change_sensor, upstream_refresh)
 from assets.definitions import defs
 from assets.ingestion import ingest_flow
 from assets.partitions import SOURCES, sources
@@ -78,6 +78,30 @@ def test_sensor_requests_a_refresh_only_for_sources_that_changed(conn, instance,
     (samples_copy / "handbook" / "new-policy.md").write_text("# New policy\n\nEffective immediately.")
     context = dg.build_sensor_context(instance=instance, cursor=_cursor_after(first), resources=resources)
     assert [r.partition_key for r in source_change_sensor(context)] == ["samples"]
+
+
+def test_a_source_refreshes_when_its_upstream_asset_materializes(conn, instance, tmp_path):
+    """A source that names the asset producing it (another code location's export, a dbt model) is refreshed after
+    each materialization of that asset, once per materialization; declaring it refreshes nothing by itself."""
+    export = tmp_path / "faq.jsonl"
+    export.write_text((SAMPLES_DIR / "faq.jsonl").read_text())
+    add_source(conn, declare("faq", export, groups=["support"], upstream="marts/faq"), "tests")
+    add_source(conn, declare("other", SAMPLES_DIR / "docs", groups=["support"]), "tests")
+    instance.add_dynamic_partitions(SOURCES, ["faq", "other"])
+    resources = {"kb": KnowledgeBase()}
+
+    def tick(cursor):
+        context = dg.build_sensor_context(instance=instance, cursor=cursor, resources=resources)
+        return list(upstream_refresh(context)), context.cursor
+
+    requests, cursor = tick(None)
+    assert requests == []
+    instance.report_runless_asset_event(dg.AssetMaterialization(asset_key=["marts", "faq"]))
+    requests, cursor = tick(cursor)
+    assert [(r.partition_key, r.tags["kb/reason"]) for r in requests] == [("faq", "marts/faq materialized")]
+    assert tick(cursor)[0] == [], "one materialization, one refresh"
+    instance.report_runless_asset_event(dg.AssetMaterialization(asset_key=["marts", "other"]))
+    assert tick(cursor)[0] == []
 
 
 def _cursor_after(requests) -> str:

@@ -30,6 +30,7 @@ from pipelines.sources.tables import TableSpec, place_path
 from pipelines.storage.locks import LOCK_NAMESPACE
 
 TREES = ("folder", "objects")  # kinds whose documents are named by their path below the source's location
+UPSTREAM = re.compile(r"^[A-Za-z0-9_-]+(/[A-Za-z0-9_-]+)*$")
 NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$")
 GROUP = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:@-]{0,62}$")
 
@@ -55,6 +56,7 @@ class Source:
     declared_in: str | None = None  # the config file that declares the source; None: the CLI
     golden_set: str | None = None  # JSONL of {"query", "document"} its refreshes must keep finding; None: no gate
     table: TableSpec | None = None  # a table source's rows and columns
+    upstream: str | None = None  # the Dagster asset that produces the source ("marts/faq"): it refreshes after it
 
     @property
     def path(self) -> Path | str:
@@ -71,6 +73,8 @@ class Source:
             del data["table"]
         else:
             data["table"] = self.table.stored()
+        if self.upstream is None:
+            del data["upstream"]
         return {k: list(v) if isinstance(v, tuple) else v for k, v in data.items()}
 
 
@@ -79,7 +83,7 @@ COLUMNS = {  # Source field -> sources column
     "exclude": "exclude_globs", "groups": "allowed_groups", "freshness_hours": "freshness_hours",
     "refresh_cron": "refresh_cron", "allow_outside_links": "allow_outside_links",
     "max_deletion_share": "max_deletion_share", "declared_in": "declared_in", "golden_set": "golden_set",
-    "table": "table_spec",
+    "table": "table_spec", "upstream": "upstream_asset",
 }
 SELECT = f"SELECT {', '.join(COLUMNS.values())} FROM sources"
 SELECT_WITH_STATE = f"SELECT {', '.join(COLUMNS.values())}, removed_at IS NULL FROM sources"
@@ -151,7 +155,8 @@ def locate(path: str | Path) -> tuple[str, str]:
 
 def declare(name: str | None, path: str | Path, include=(), exclude=(), groups=None, freshness_hours=None,
             refresh_cron=None, allow_outside_links: bool = False, max_deletion_share: float = 0.5,
-            declared_in: str | None = None, golden_set: str | Path | None = None, table: dict | None = None) -> Source:
+            declared_in: str | None = None, golden_set: str | Path | None = None, table: dict | None = None,
+            upstream: str | None = None) -> Source:
     """A validated declaration; the name defaults to the folder or file name. Paths that a config file
     (`declared_in`) gives relative to itself are kept relative to it; others are made absolute."""
     kind, location = locate(where(str(path), declared_in, name))
@@ -162,7 +167,18 @@ def declare(name: str | None, path: str | Path, include=(), exclude=(), groups=N
         raise DeclarationError(f"source name {name!r}: use letters, digits, '.', '_' or '-' (at most 63 characters)")
     return Source(name, kind, location, include, exclude, groups,
                   _positive(freshness_hours), _cron(refresh_cron), bool(allow_outside_links),
-                  _share(max_deletion_share), declared_in, _golden(golden_set, declared_in, name), _table(kind, table))
+                  _share(max_deletion_share), declared_in, _golden(golden_set, declared_in, name), _table(kind, table),
+                  _upstream(upstream))
+
+
+def _upstream(asset: str | None) -> str | None:
+    """An upstream asset's key as Dagster writes it in the UI and on the command line: path parts joined by '/'."""
+    if asset is None:
+        return None
+    if not isinstance(asset, str) or not UPSTREAM.match(asset):
+        raise DeclarationError(f"upstream {asset!r}: an asset key such as \"marts/faq\" (letters, digits, _ and -,"
+                               " parts joined by /)")
+    return asset
 
 
 def _table(kind: str, table: dict | None) -> TableSpec | None:
@@ -527,7 +543,7 @@ def parse_config(text: str, path: str | Path) -> list[Source]:
     except tomllib.TOMLDecodeError as exc:
         raise DeclarationError(f"{path}: cannot read the source declarations: {exc}") from exc
     known = {"location", "include", "exclude", "groups", "public", "freshness_hours", "refresh_cron",
-             "allow_outside_links", "max_deletion_share", "golden_set", "table"}
+             "allow_outside_links", "max_deletion_share", "golden_set", "table", "upstream"}
     if other := sorted(set(data) - {"sources"}):  # `[source.x]` declared nothing, silently
         raise DeclarationError(f"{path}: unknown table{'s' if len(other) > 1 else ''} {', '.join(f'[{t}]' for t in other)};"
                                " declare each source as [sources.NAME] (with location, and groups or public = true)")
@@ -552,7 +568,7 @@ def parse_config(text: str, path: str | Path) -> list[Source]:
                                     table.get("groups"), table.get("freshness_hours"), table.get("refresh_cron"),
                                     table.get("allow_outside_links", False), table.get("max_deletion_share", 0.5),
                                     declared_in=str(config), golden_set=table.get("golden_set"),
-                                    table=table.get("table")))
+                                    table=table.get("table"), upstream=table.get("upstream")))
         except DeclarationError as exc:
             raise DeclarationError(f"{path}: [sources.{name}]: {exc}") from exc
     return declared
