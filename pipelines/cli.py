@@ -950,10 +950,12 @@ def _source_line(s) -> str:
                                        " are fetched.")
 @click.option("--metadata-column", multiple=True, help="A column kept with the document, for filters (repeatable).")
 @click.option("--upstream", help="The Dagster asset that produces the source (marts/faq): refresh when it materializes.")
+@click.option("--private-network", is_flag=True, help="A web source's host is on the company's network (it may resolve"
+                                                    " to private addresses).")
 @click.option("--json", "as_json", is_flag=True)
 def source_add(name, path, include, exclude, groups, public, freshness_hours, refresh_cron, allow_outside_links,
                max_deletion_share, golden_set, table_name, query, id_column, text_column, title_column, version_column,
-               metadata_column, upstream, as_json):
+               metadata_column, upstream, private_network, as_json):
     """Declare source NAME at PATH, readable by --group G ... or --public. PATH is a folder, a .jsonl file of records,
     a bucket (s3://bucket/prefix, gs://, az://), or a database (postgresql://USER@HOST/DB, with --table or --query,
     --id-column and --text-column; the password from PGPASSWORD or ~/.pgpass)."""
@@ -969,7 +971,7 @@ def source_add(name, path, include, exclude, groups, public, freshness_hours, re
                  if value} or None
         declared = declare(name, path, include, exclude, groups or None, freshness_hours, refresh_cron,
                            allow_outside_links, max_deletion_share, golden_set=golden_set, table=table,
-                           upstream=upstream)
+                           upstream=upstream, private_network=private_network)
         written = add_source(conn, declared, actor("kb source add"))
         _sync_dagster(conn)
     _emit({**_source_dict(declared), "changed": written}, as_json,

@@ -21,6 +21,9 @@ class Limits:
     parse_timeout_s: float = 120.0  # a parse worker that takes longer on one file is stopped
     parse_memory_mb: float = 1024.0  # a parse worker whose memory grows past this is stopped
     max_chunks_per_document: int = 20_000
+    web_max_pages: int = 10_000  # pages one crawl of a web source fetches at most; past it, it deletes nothing
+    web_max_depth: int = 10  # links from the start URL a crawl without a sitemap follows
+    web_timeout_s: float = 30.0  # per request to a web source
 
 
 @dataclass(frozen=True)
@@ -155,6 +158,9 @@ def _load(env) -> Settings:
             parse_timeout_s=float(env.get("KB_PARSE_TIMEOUT_S", Limits.parse_timeout_s)),
             parse_memory_mb=float(env.get("KB_PARSE_MEMORY_MB", Limits.parse_memory_mb)),
             max_chunks_per_document=int(env.get("KB_MAX_CHUNKS_PER_DOCUMENT", Limits.max_chunks_per_document)),
+            web_max_pages=int(env.get("KB_WEB_MAX_PAGES", Limits.web_max_pages)),
+            web_max_depth=int(env.get("KB_WEB_MAX_DEPTH", Limits.web_max_depth)),
+            web_timeout_s=float(env.get("KB_WEB_TIMEOUT_S", Limits.web_timeout_s)),
         ),
         model_cache_dir=Path(env["KB_MODEL_CACHE"]).expanduser().resolve() if env.get("KB_MODEL_CACHE") else None,
     )

@@ -39,6 +39,8 @@ from pipelines.sources.declarations import TREES, Source, add_coverage, load_sou
 from pipelines.sources.files import OutsideSource, RootChanged, host, identity, open_below, open_root, walk_below
 from pipelines.sources.objects import Reader, address, list_objects
 from pipelines.sources.tables import Rows
+from pipelines.sources.web import PageError, Scope, Site, page_url
+from pipelines.sources.web import crawl as web_crawl
 from pipelines.sources.overlaps import Place, below, mounts_below, place
 from pipelines.storage import bulk
 from pipelines.storage.locks import LOCK_NAMESPACE
@@ -56,6 +58,7 @@ class Found:
     record: dict | None = None
     failed: bool = False  # a known document that could not be read: it keeps its last good version
     version_tag: str | None = None  # an object's ETag (or its store's like): read again only when it changes
+    body: bytes | None = None  # a web page as fetched, kept for the parse stage (a page may differ at every request)
 
 
 @dataclass
@@ -379,6 +382,55 @@ def _records(crawl: Crawl, handle, location: str, progress: Progress) -> Iterato
         yield Found(locator, "record", len(canonical.encode()), None, hash_text(canonical), record)
 
 
+def walk_web(crawl: Crawl, known: Known, progress: Progress = NO_PROGRESS, conn: psycopg.Connection | None = None,
+             ) -> Iterator[Found]:
+    """Yield the pages of a web source (pipelines/sources/web.py): a 304 is an unchanged page, any other failure is
+    that page's; a crawl stopped by its page limit, or that could not read robots.txt, deletes nothing."""
+    source, limits = crawl.source, crawl.limits
+    scope = Scope.of(source.location, source.private_network)
+
+    def stored(locator: str) -> bytes | None:
+        row = conn.execute("SELECT p.body FROM fetched_pages p JOIN documents d USING (document_id) WHERE"
+                           " d.source_id = %s AND d.locator = %s", (source.source_id, locator)).fetchone()
+        return bytes(row[0]) if row else None
+
+    with Site(scope, limits.max_file_mb * 1e6, limits.web_timeout_s) as site:
+        pages = web_crawl(site, {loc: known[loc][3] for loc in known}, stored, limits.web_max_pages,
+                          limits.web_max_depth)
+        for locator, page in pages:
+            progress.advance()
+            if page is None:  # the crawl stopped early: it cannot tell what is gone
+                crawl.blind = True
+                crawl.fail(source.location, f"{source.location}: {locator}; no page is deleted by this crawl")
+                break
+            if isinstance(page, PageError):
+                crawl.fail(locator, f"{page_url(scope, locator)}: {page}")
+                yield Found(locator, "", 0, None, None, failed=True)
+            elif page.status == 304 and locator in known:
+                yield Found(locator, "html", known[locator][0], known[locator][1], None, version_tag=page.tag)
+            elif page.doc_format not in ("html",) and not supported(locator):
+                crawl.skip(locator, f"not a page kb reads ({page.doc_format or 'no content type'})")
+            else:
+                crawl.report.counts["fetched"] += 1
+                if not page.body:
+                    crawl.fail(locator, f"{page_url(scope, locator)}: empty page (0 bytes)")
+                    yield Found(locator, "", 0, None, None, failed=True)
+                    continue
+                doc_format = "html" if page.doc_format == "html" else format_of(locator)
+                yield Found(locator, doc_format, len(page.body), _http_time(page.last_modified),
+                            hash_bytes(page.body), version_tag=page.tag, body=page.body)
+        crawl.report.notes["web_requests"] = crawl.report.notes.get("web_requests", 0) + site.requests
+
+
+def _http_time(value: str | None) -> datetime | None:
+    from email.utils import parsedate_to_datetime
+
+    try:
+        return parsedate_to_datetime(value) if value else None
+    except (TypeError, ValueError):
+        return None
+
+
 def walk_table(crawl: Crawl, known: Known, progress: Progress = NO_PROGRESS) -> Iterator[Found]:
     """Yield each row of a table source as a record (pipelines/sources/tables.py): rows whose version is the stored one
     are not fetched. A row with no id blinds the crawl (nothing deleted); an id on several rows is an error for that
@@ -465,6 +517,13 @@ def _merge(conn: psycopg.Connection, source_id: str, changed: list[Found]) -> No
         (f.locator, f.doc_format, f.size, f.mtime, f.content_hash, (f.record or {}).get("title") or None,
          f.version_tag) for f in changed))
     conn.execute(MERGE_DOCUMENTS, {"source_id": source_id})
+    if pages := [f for f in changed if f.body is not None]:
+        conn.execute("INSERT INTO fetched_pages (document_id, content_hash, body)"
+                     " SELECT d.document_id, p.content_hash, p.body FROM unnest(%s::text[], %s::text[], %s::bytea[])"
+                     " AS p(locator, content_hash, body) JOIN documents d ON d.source_id = %s AND d.locator = p.locator"
+                     " ON CONFLICT (document_id) DO UPDATE SET content_hash = excluded.content_hash,"
+                     " body = excluded.body", ([f.locator for f in pages], [f.content_hash for f in pages],
+                                               [f.body for f in pages], source_id))
     records = {f.locator: f for f in changed if f.record is not None}
     stale = conn.execute(STALE_RECORDS, {"source_id": source_id, "locators": list(records),
                                          "parser": PARSER_VERSION}).fetchall() if records else []
@@ -607,8 +666,11 @@ def crawl_source(conn: psycopg.Connection, source: Source, report: StageReport, 
         known = _known_documents(conn, source.source_id)
         for folder, owned in sorted(inside.items()):
             _hand_over(conn, crawl, folder, owned, known)
-        walk = {"folder": walk_folder, "objects": walk_objects, "table": walk_table}.get(source.kind)
-        found = walk(crawl, known, progress) if walk else read_records(crawl, progress)
+        if source.kind == "web":
+            found = walk_web(crawl, known, progress, conn)
+        else:
+            walk = {"folder": walk_folder, "objects": walk_objects, "table": walk_table}.get(source.kind)
+            found = walk(crawl, known, progress) if walk else read_records(crawl, progress)
         batch: list[Found] = []
         for item in found:
             crawl.seen.add(item.locator)

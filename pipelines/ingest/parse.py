@@ -50,6 +50,7 @@ from pipelines.ingest.hashing import hash_bytes
 from pipelines.sources.declarations import where
 from pipelines.sources.files import NotARegularFile, OutsideSource, host, read_below
 from pipelines.sources.objects import Reader, address, is_url
+from pipelines.sources.web import Scope, is_web, page_url
 
 STAGE = "parse"
 # kb's own recipe: bump it when what kb makes of the same bytes changes (this module's elements, titles or metadata,
@@ -276,8 +277,17 @@ def _read(root: str, known_root: str | None, locator: str, allow_outside_links: 
     return data
 
 
+def _fetched(conn: psycopg.Connection, doc_id: int, content_hash: str) -> bytes | str:
+    """A web page as its crawl fetched it (pipelines/sources/web.py), or why it is not there."""
+    row = conn.execute("SELECT body FROM fetched_pages WHERE document_id = %s AND content_hash = %s",
+                       (doc_id, content_hash)).fetchone()
+    return bytes(row[0]) if row else "the page as fetched is not stored; the next run fetches it again"
+
+
 def named(root: str, locator: str) -> str:
     """A document as messages name it: its path, or its object's URL."""
+    if is_web(root):
+        return page_url(Scope.of(root, False), locator)
     return address(root, locator) if is_url(root) else str(Path(root) / locator)
 
 
@@ -320,7 +330,8 @@ def parse_pending(conn: psycopg.Connection, source_ids: list[str] | None = None,
             except OSError as exc:  # no backend for the store's scheme: every object of it fails the same way
                 data = str(exc)
             else:
-                data = _read(root, known_root, locator, allow, content_hash, limits, objects)
+                data = _fetched(conn, doc_id, content_hash) if kind == "web" else \
+                    _read(root, known_root, locator, allow, content_hash, limits, objects)
             if isinstance(data, str):
                 failed.append((Failure(source_id, locator, STAGE, f"{named(root, locator)}: {data}"), content_hash))
                 progress.advance()

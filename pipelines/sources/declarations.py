@@ -23,7 +23,7 @@ from psycopg.rows import dict_row
 from psycopg.types.json import Jsonb
 
 from pipelines.ingest.hashing import hash_text
-from pipelines.sources import tables
+from pipelines.sources import tables, web
 from pipelines.sources.objects import is_url, normalise
 from pipelines.sources.overlaps import below, coverage, place
 from pipelines.sources.tables import TableSpec, place_path
@@ -57,6 +57,7 @@ class Source:
     golden_set: str | None = None  # JSONL of {"query", "document"} its refreshes must keep finding; None: no gate
     table: TableSpec | None = None  # a table source's rows and columns
     upstream: str | None = None  # the Dagster asset that produces the source ("marts/faq"): it refreshes after it
+    private_network: bool = False  # a web source's host may resolve to private addresses (the company's intranet)
 
     @property
     def path(self) -> Path | str:
@@ -73,8 +74,9 @@ class Source:
             del data["table"]
         else:
             data["table"] = self.table.stored()
-        if self.upstream is None:
-            del data["upstream"]
+        for optional in ("upstream", "private_network"):
+            if not data[optional]:
+                del data[optional]
         return {k: list(v) if isinstance(v, tuple) else v for k, v in data.items()}
 
 
@@ -83,7 +85,7 @@ COLUMNS = {  # Source field -> sources column
     "exclude": "exclude_globs", "groups": "allowed_groups", "freshness_hours": "freshness_hours",
     "refresh_cron": "refresh_cron", "allow_outside_links": "allow_outside_links",
     "max_deletion_share": "max_deletion_share", "declared_in": "declared_in", "golden_set": "golden_set",
-    "table": "table_spec", "upstream": "upstream_asset",
+    "table": "table_spec", "upstream": "upstream_asset", "private_network": "private_network",
 }
 SELECT = f"SELECT {', '.join(COLUMNS.values())} FROM sources"
 SELECT_WITH_STATE = f"SELECT {', '.join(COLUMNS.values())}, removed_at IS NULL FROM sources"
@@ -138,8 +140,9 @@ def locate(path: str | Path) -> tuple[str, str]:
     """(kind, absolute location) of a source path: a folder, a .jsonl file of records, or an object store's URL."""
     if is_url(str(path)):
         try:
-            return ("table", tables.normalise(str(path))) if tables.is_database(str(path)) else \
-                ("objects", normalise(str(path)))
+            if tables.is_database(str(path)):
+                return "table", tables.normalise(str(path))
+            return ("web", web.normalise(str(path))) if web.is_web(str(path)) else ("objects", normalise(str(path)))
         except ValueError as exc:
             raise DeclarationError(str(exc)) from None
     resolved = Path(path).expanduser().resolve()
@@ -156,7 +159,7 @@ def locate(path: str | Path) -> tuple[str, str]:
 def declare(name: str | None, path: str | Path, include=(), exclude=(), groups=None, freshness_hours=None,
             refresh_cron=None, allow_outside_links: bool = False, max_deletion_share: float = 0.5,
             declared_in: str | None = None, golden_set: str | Path | None = None, table: dict | None = None,
-            upstream: str | None = None) -> Source:
+            upstream: str | None = None, private_network: bool = False) -> Source:
     """A validated declaration; the name defaults to the folder or file name. Paths that a config file
     (`declared_in`) gives relative to itself are kept relative to it; others are made absolute."""
     kind, location = locate(where(str(path), declared_in, name))
@@ -168,7 +171,13 @@ def declare(name: str | None, path: str | Path, include=(), exclude=(), groups=N
     return Source(name, kind, location, include, exclude, groups,
                   _positive(freshness_hours), _cron(refresh_cron), bool(allow_outside_links),
                   _share(max_deletion_share), declared_in, _golden(golden_set, declared_in, name), _table(kind, table),
-                  _upstream(upstream))
+                  _upstream(upstream), _private_network(kind, private_network))
+
+
+def _private_network(kind: str, private: bool) -> bool:
+    if private and kind != "web":
+        raise DeclarationError("private_network = true is for web sources (an https:// location)")
+    return bool(private)
 
 
 def _upstream(asset: str | None) -> str | None:
@@ -543,7 +552,7 @@ def parse_config(text: str, path: str | Path) -> list[Source]:
     except tomllib.TOMLDecodeError as exc:
         raise DeclarationError(f"{path}: cannot read the source declarations: {exc}") from exc
     known = {"location", "include", "exclude", "groups", "public", "freshness_hours", "refresh_cron",
-             "allow_outside_links", "max_deletion_share", "golden_set", "table", "upstream"}
+             "allow_outside_links", "max_deletion_share", "golden_set", "table", "upstream", "private_network"}
     if other := sorted(set(data) - {"sources"}):  # `[source.x]` declared nothing, silently
         raise DeclarationError(f"{path}: unknown table{'s' if len(other) > 1 else ''} {', '.join(f'[{t}]' for t in other)};"
                                " declare each source as [sources.NAME] (with location, and groups or public = true)")
@@ -568,7 +577,8 @@ def parse_config(text: str, path: str | Path) -> list[Source]:
                                     table.get("groups"), table.get("freshness_hours"), table.get("refresh_cron"),
                                     table.get("allow_outside_links", False), table.get("max_deletion_share", 0.5),
                                     declared_in=str(config), golden_set=table.get("golden_set"),
-                                    table=table.get("table"), upstream=table.get("upstream")))
+                                    table=table.get("table"), upstream=table.get("upstream"),
+                                    private_network=table.get("private_network", False)))
         except DeclarationError as exc:
             raise DeclarationError(f"{path}: [sources.{name}]: {exc}") from exc
     return declared

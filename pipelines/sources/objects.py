@@ -39,8 +39,8 @@ def normalise(url: str) -> str:
     to write instead."""
     scheme = SCHEME.match(url).group(1).lower()
     if scheme in NOT_OBJECT_STORES:
-        raise ValueError(f"{url}: kb reads {scheme}:// locations not yet as a source; declare a folder path, a .jsonl"
-                         " file or an object-store URL (s3://bucket/prefix, gs://, az://)")
+        raise ValueError(f"{url}: a {scheme}:// location is not a bucket; declare a folder path or a .jsonl file, a"
+                         " bucket (s3://bucket/prefix, gs://, az://), a site (https://) or a database (postgresql://)")
     parts = urlsplit(url)
     if "@" in parts.netloc or parts.query or parts.fragment:
         raise ValueError(f"{scheme}://{parts.hostname or ''}/...: a source URL names a bucket and a prefix only;"

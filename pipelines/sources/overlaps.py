@@ -23,6 +23,8 @@ from typing import Iterable
 from urllib.parse import urlsplit
 
 from pipelines.sources.objects import is_url, store_of
+from pipelines.sources.web import is_web
+from pipelines.sources.web import place_path as web_place
 
 MOUNTINFO = Path("/proc/self/mountinfo")
 _ESCAPED = re.compile(r"\\([0-7]{3})")
@@ -86,6 +88,8 @@ def _mounts() -> list[_Mount]:
 def place(path: str | os.PathLike, mounts: list[_Mount] | None = None) -> Place:
     """The place of a folder or file; a path missing here is compared by its text, resolved as far as it exists. An
     object store's URL is its bucket (`device`: scheme://bucket) and its prefix in it."""
+    if is_web(str(path)):
+        path = web_place(str(path))  # scheme-free, the default port explicit: http://h and https://h:443/ are one site
     if is_url(str(path)):
         parts = urlsplit(str(path))
         prefix = PurePosixPath("/", parts.path.strip("/"))

@@ -1,0 +1,322 @@
+"""Web-site sources: the pages of one origin below a path (`https://intranet.example.com/handbook/`), found through
+the site's sitemaps, else by following its links from the declared URL.
+
+Only the declared origin is ever asked for anything, below the declared path: a link, a sitemap entry or a redirect
+that leads elsewhere (another host, `file://`, 169.254.169.254) is not followed, and a redirect off the origin fails
+that page. Before each request the host's addresses are checked: link-local, multicast and reserved addresses are
+never contacted; loopback and private ones only when the declaration names an address, or says the site is on the
+company's network (`private_network = true`), so a public site whose name starts pointing inside cannot make kb
+read the inside. robots.txt is honoured for the user agent `kb` (a robots.txt that cannot be read, other than 4xx,
+stops the crawl: RFC 9309). Each page is asked for with the ETag and Last-Modified it had (an unchanged page costs a
+304), read no further than the per-file limit, and stored for the parse stage as fetched: a page that differs at
+every request is parsed as this crawl saw it. A crawl stops at KB_WEB_MAX_PAGES pages or KB_WEB_MAX_DEPTH links from
+the start; a crawl that stopped early, or could not read the site, deletes nothing.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import json
+import socket
+import xml.etree.ElementTree as ElementTree
+from collections import deque
+from dataclasses import dataclass, field
+from html.parser import HTMLParser
+from typing import Callable, Iterator
+from urllib.parse import urljoin, urlsplit, urlunsplit
+from urllib.robotparser import RobotFileParser
+
+AGENT = "kb"
+MAX_REDIRECTS = 5
+MAX_SITEMAPS = 50
+SITEMAP_BYTES = 50_000_000  # the sitemap protocol's own limit per file
+PAGE_TYPES = {"text/html": "html", "application/xhtml+xml": "html"}
+
+
+class WebError(OSError):
+    """The site cannot be crawled (robots.txt unreachable, the start page refused); the message says why."""
+
+
+class PageError(ValueError):
+    """One page that cannot be fetched; the message says why."""
+
+
+def is_web(location: str) -> bool:
+    return str(location).split("://", 1)[0].lower() in ("http", "https") and "://" in str(location)
+
+
+def normalise(url: str) -> str:
+    """The declared start URL, or ValueError: http(s), a host, no credentials, no fragment."""
+    parts = urlsplit(url)
+    if not parts.hostname:
+        raise ValueError(f"{url}: name the site's host (https://HOST/path)")
+    if parts.username or parts.password:
+        raise ValueError(f"{parts.scheme}://{parts.hostname}/...: a site URL holds no credentials")
+    return urlunsplit((parts.scheme.lower(), parts.netloc.lower(), parts.path or "/", parts.query, ""))
+
+
+@dataclass(frozen=True)
+class Scope:
+    """What one web source may fetch: its origin, below its path."""
+
+    origin: tuple[str, str, int]
+    prefix: str  # the declared path up to its last '/'
+    start: str
+    private_network: bool
+
+    @classmethod
+    def of(cls, url: str, private_network: bool) -> "Scope":
+        parts = urlsplit(url)
+        port = parts.port or (443 if parts.scheme == "https" else 80)
+        return cls((parts.scheme, parts.hostname, port), parts.path[: parts.path.rfind("/") + 1] or "/", url,
+                   private_network)
+
+    def holds(self, url: str) -> bool:
+        parts = urlsplit(url)
+        try:
+            port = parts.port or (443 if parts.scheme == "https" else 80)
+        except ValueError:
+            return False
+        return (parts.scheme, parts.hostname, port) == self.origin and parts.path.startswith(self.prefix)
+
+    def locator(self, url: str) -> str:
+        """A page's name in the source: its path below the declared one (a folder URL as its index.html), with its
+        query."""
+        parts = urlsplit(url)
+        relative = parts.path[len(self.prefix):]
+        if relative == "" or relative.endswith("/"):
+            relative += "index.html"
+        return relative + (f"?{parts.query}" if parts.query else "")
+
+    def check_address(self) -> None:
+        """Refuse a host whose addresses kb must not contact (see the module's docstring)."""
+        host = self.origin[1]
+        try:
+            named = ipaddress.ip_address(host)
+        except ValueError:
+            named = None
+        try:
+            infos = socket.getaddrinfo(host, self.origin[2], type=socket.SOCK_STREAM)
+        except OSError as exc:
+            raise WebError(f"cannot resolve {host}: {exc}") from exc
+        for info in infos:
+            address = ipaddress.ip_address(info[4][0].split("%")[0])
+            if address.is_link_local or address.is_multicast or address.is_unspecified or address.is_reserved:
+                raise WebError(f"{host} resolves to {address}, an address kb never contacts (link-local, multicast or"
+                               " reserved)")
+            if (address.is_loopback or address.is_private) and named is None and not self.private_network:
+                raise WebError(f"{host} resolves to {address}, inside a private network; if the site really is the"
+                               " company's own, declare it with private_network = true")
+
+
+class _Links(HTMLParser):
+    """The links and the canonical URL of an HTML page."""
+
+    def __init__(self) -> None:
+        super().__init__(convert_charrefs=True)
+        self.links: list[str] = []
+        self.canonical: str | None = None
+
+    def handle_starttag(self, tag: str, attrs) -> None:
+        values = dict(attrs)
+        if tag == "a" and values.get("href"):
+            self.links.append(values["href"])
+        elif tag == "link" and (values.get("rel") or "").lower() == "canonical" and values.get("href"):
+            self.canonical = values["href"]
+
+
+@dataclass
+class Page:
+    url: str
+    status: int  # 200, or 304 (unchanged since the tag sent)
+    body: bytes = b""
+    doc_format: str = "html"
+    tag: str | None = None  # the validators it came with, as stored in documents.version_tag
+    last_modified: str | None = None
+    links: list[str] = field(default_factory=list)
+    canonical: str | None = None
+
+
+class Site:
+    """One crawl's client for one web source."""
+
+    def __init__(self, scope: Scope, limit_bytes: float, timeout_s: float) -> None:
+        import httpx
+
+        self.scope, self.limit = scope, limit_bytes
+        self.client = httpx.Client(follow_redirects=False, timeout=timeout_s, headers={"User-Agent": f"{AGENT}/1"},
+                                   trust_env=False)
+        self.requests = 0
+
+    def __enter__(self) -> "Site":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.client.close()
+
+    def get(self, url: str, tag: str | None = None, limit: float | None = None) -> Page:
+        """The page at `url` (redirects inside the scope followed), or PageError."""
+        import httpx
+
+        headers = {}
+        if tag:
+            validators = json.loads(tag)
+            if validators.get("etag"):
+                headers["If-None-Match"] = validators["etag"]
+            if validators.get("last_modified"):
+                headers["If-Modified-Since"] = validators["last_modified"]
+        for _ in range(MAX_REDIRECTS + 1):
+            self.scope.check_address()
+            self.requests += 1
+            try:
+                with self.client.stream("GET", url, headers=headers) as response:
+                    if response.has_redirect_location:
+                        target = urljoin(url, response.headers.get("location", ""))
+                        if not self.scope.holds(target):
+                            raise PageError(f"redirected to {target}, outside {self._shown()}: not followed")
+                        url = target
+                        continue
+                    if response.status_code == 304:
+                        return Page(url, 304, tag=tag)
+                    if response.status_code != 200:
+                        raise PageError(f"HTTP {response.status_code}")
+                    body = self._read(response, self.limit if limit is None else limit)
+                    kind = response.headers.get("content-type", "").split(";")[0].strip().lower()
+                    validators = {k: v for k, v in (("etag", response.headers.get("etag")),
+                                                    ("last_modified", response.headers.get("last-modified"))) if v}
+                    return Page(url, 200, body, PAGE_TYPES.get(kind, kind), json.dumps(validators, sort_keys=True)
+                                if validators else None, validators.get("last_modified"))
+            except httpx.HTTPError as exc:
+                raise PageError(f"{type(exc).__name__}: {exc}") from exc
+        raise PageError(f"more than {MAX_REDIRECTS} redirects")
+
+    def _read(self, response, limit: float) -> bytes:
+        data = bytearray()
+        for block in response.iter_bytes():
+            data += block
+            if len(data) > limit:
+                raise PageError(f"the page is over the {limit / 1e6:g} MB limit (KB_MAX_FILE_MB)")
+        return bytes(data)
+
+    def _shown(self) -> str:
+        scheme, host, port = self.scope.origin
+        return f"{scheme}://{host}:{port}{self.scope.prefix}"
+
+    def robots(self) -> RobotFileParser:
+        """The site's robots.txt rules; WebError when it cannot be read (a 4xx means no rules)."""
+        scheme, host, port = self.scope.origin
+        url = f"{scheme}://{host}:{port}/robots.txt"
+        rules = RobotFileParser(url)
+        try:
+            page = self._origin_get(url)
+        except PageError as exc:
+            if str(exc).startswith("HTTP 4"):
+                rules.parse([])
+                return rules
+            raise WebError(f"cannot read {url} ({exc}): kb does not crawl a site whose robots.txt it cannot read")
+        rules.parse(page.body.decode("utf-8", "replace").splitlines())
+        return rules
+
+    def _origin_get(self, url: str) -> Page:
+        """A request to the origin outside the declared path (robots.txt, sitemaps): same address checks, no
+        redirect followed."""
+        saved = self.scope
+        self.scope = Scope(saved.origin, "/", saved.start, saved.private_network)
+        try:
+            return self.get(url, limit=SITEMAP_BYTES)
+        finally:
+            self.scope = saved
+
+    def sitemap_urls(self, rules: RobotFileParser) -> list[str]:
+        """The in-scope page URLs the site's sitemaps list (robots.txt's Sitemap: lines, else /sitemap.xml), an
+        index's sitemaps followed; [] when it has none."""
+        scheme, host, port = self.scope.origin
+        queue = deque(rules.site_maps() or [f"{scheme}://{host}:{port}/sitemap.xml"])
+        seen, pages = set(), []
+        while queue and len(seen) < MAX_SITEMAPS:
+            url = queue.popleft()
+            if url in seen or not Scope(self.scope.origin, "/", url, False).holds(url):
+                continue
+            seen.add(url)
+            try:
+                root = ElementTree.fromstring(self._origin_get(url).body)
+            except (PageError, ElementTree.ParseError):
+                continue
+            for loc in (e.text.strip() for e in root.iter() if e.tag.rsplit("}", 1)[-1] == "loc" and e.text):
+                if root.tag.rsplit("}", 1)[-1] == "sitemapindex":
+                    queue.append(loc)
+                elif self.scope.holds(loc):
+                    pages.append(loc)
+        return pages
+
+
+def page_url(scope: Scope, locator: str) -> str:
+    """A page's URL, as messages name it."""
+    scheme, host, port = scope.origin
+    path, _, query = locator.partition("?")
+    return urlunsplit((scheme, f"{host}:{port}", scope.prefix + path, query, ""))
+
+
+def links_of(page: Page) -> tuple[list[str], str | None]:
+    """(absolute links, canonical URL) of an HTML page."""
+    parser = _Links()
+    try:
+        parser.feed(page.body.decode("utf-8", "replace"))
+    except Exception:  # noqa: BLE001 - html.parser on hostile markup: no links is the safe answer
+        return [], None
+    absolute = [urljoin(page.url, href).split("#", 1)[0] for href in parser.links]
+    return absolute, urljoin(page.url, parser.canonical) if parser.canonical else None
+
+
+def crawl(site: Site, known_tags: dict[str, str | None], stored: Callable[[str], bytes | None], max_pages: int,
+          max_depth: int) -> Iterator[tuple[str, Page | PageError | None]]:
+    """(locator, page or why it failed) for every page in scope: the sitemap's, else those reached by links from the
+    start URL (at most `max_depth` links away); an unchanged page's links are read from its `stored` body. Yields
+    (reason, None) once and stops when `max_pages` is reached: the crawl is then incomplete."""
+    rules = site.robots()
+    listed = site.sitemap_urls(rules)
+    queue = deque((url, 0) for url in dict.fromkeys([site.scope.start, *listed]))
+    follow = not listed
+    seen: set[str] = set()
+    visited = 0
+    while queue:
+        url, depth = queue.popleft()
+        locator = site.scope.locator(url)
+        if locator in seen or not rules.can_fetch(AGENT, url):
+            continue
+        seen.add(locator)
+        if visited >= max_pages:
+            yield f"stopped after {max_pages} pages (KB_WEB_MAX_PAGES)", None
+            return
+        visited += 1
+        try:
+            page = site.get(url, known_tags.get(locator))
+        except PageError as exc:
+            yield locator, exc
+            continue
+        if page.url != url:  # redirected inside the scope: the page is named by where it is
+            locator = site.scope.locator(page.url)
+            if locator in seen:
+                continue
+            seen.add(locator)
+        if page.status == 304:
+            page.body = stored(locator) or b""
+        if page.doc_format == "html" and page.body:
+            links, canonical = links_of(page)
+            if canonical and canonical != url and site.scope.holds(canonical):
+                named = site.scope.locator(canonical)
+                if named in seen and named != locator:
+                    continue  # the same page under another URL
+                seen.add(named)
+                locator = named
+            if follow and depth < max_depth:
+                queue.extend((link, depth + 1) for link in links if site.scope.holds(link))
+        yield locator, page
+
+
+def place_path(url: str) -> str:
+    """The site's place for the overlap rules: origin and path, scheme and default port made explicit."""
+    scope = Scope.of(url, False)
+    scheme, host, port = scope.origin
+    return f"web://{host}:{port}{scope.prefix}".rstrip("/") if scope.prefix != "/" else f"web://{host}:{port}"
+

@@ -1,0 +1,172 @@
+"""Web sites as sources (issue 28, item 2), against a small site the test serves itself on loopback over HTTP: a
+sitemap, robots.txt, conditional GETs, a redirect inside the site and one to 169.254.169.254, a 404, a page that
+changes, a huge page, a slow page, and a crawl by links when there is no sitemap."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+from click.testing import CliRunner
+
+from pipelines.cli import main
+from pipelines.retrieval.search import Filters, search
+
+
+class Site:
+    """Pages by path: (status, headers, body); every request is logged as (path, its conditional headers)."""
+
+    def __init__(self) -> None:
+        self.pages: dict[str, tuple[int, dict, bytes]] = {}
+        self.log: list[tuple[str, str | None, str | None]] = []
+        self.slow = threading.Event()  # set: the slow page answers now (the test's end releases the handler)
+        site = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_GET(self) -> None:  # noqa: N802 - the stdlib's name
+                site.log.append((self.path, self.headers.get("If-None-Match"), self.headers.get("If-Modified-Since")))
+                status, headers, body = site.pages.get(self.path, (404, {}, b"not found"))
+                if headers.get("slow"):
+                    site.slow.wait(60)
+                etag = headers.get("ETag")
+                if etag and self.headers.get("If-None-Match") == etag or (
+                        headers.get("Last-Modified") and self.headers.get("If-Modified-Since") == headers["Last-Modified"]):
+                    status, body = 304, b""
+                self.send_response(status)
+                for name, value in headers.items():
+                    if name != "slow":
+                        self.send_header(name, value)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, *args) -> None:
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server.daemon_threads = True
+        self.port = self.server.server_address[1]
+        self.base = f"http://127.0.0.1:{self.port}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def page(self, path: str, title: str, text: str, links=(), **headers) -> None:
+        body = f"<html><head><title>{title}</title></head><body><h1>{title}</h1><p>{text}</p>" + "".join(
+            f'<a href="{link}">{link}</a>' for link in links) + "</body></html>"
+        self.pages[path] = (200, {"Content-Type": "text/html; charset=utf-8", **headers}, body.encode())
+
+    def requested(self, since: int = 0) -> list[str]:
+        return [path for path, _, _ in self.log[since:]]
+
+
+@pytest.fixture
+def site():
+    served = Site()
+    yield served
+    served.slow.set()
+    served.server.shutdown()
+
+
+def kb(*args: str, expect: int = 0) -> str:
+    result = CliRunner().invoke(main, list(args))
+    assert result.exit_code == expect, result.output
+    return result.output if expect == 2 else result.stdout
+
+
+def ingest(*args: str, expect: int = 0) -> dict:
+    return json.loads(kb("ingest", *args, "--json", expect=expect))
+
+
+def texts(conn, embedder, query: str) -> list[tuple[str, str]]:
+    return [(h.document, h.content) for h in search(conn, embedder, query, 10, filters=Filters())]
+
+
+def test_a_site_is_crawled_from_its_sitemap_and_refreshed_with_conditional_gets(settings, conn, embedder, site,
+                                                                                monkeypatch):
+    monkeypatch.setenv("KB_MAX_FILE_MB", "0.02")
+    monkeypatch.setenv("KB_WEB_TIMEOUT_S", "2")
+    site.pages["/robots.txt"] = (200, {"Content-Type": "text/plain"},
+                                 f"User-agent: *\nDisallow: /kb/private/\nSitemap: {site.base}/sitemap.xml\n".encode())
+    listed = ["/kb/", "/kb/leave.html", "/kb/travel.html", "/kb/moved", "/kb/metadata", "/kb/gone.html",
+              "/kb/huge.html", "/kb/slow.html", "/kb/private/salaries.html", "/elsewhere/page.html"]
+    site.pages["/sitemap.xml"] = (200, {"Content-Type": "application/xml"}, (
+        '<?xml version="1.0"?><urlset xmlns="http://www.sitemaps.org/schemas/sitemap/0.9">'
+        + "".join(f"<url><loc>{site.base}{path}</loc></url>" for path in listed) + "</urlset>").encode())
+    site.page("/kb/", "Handbook", "Welcome to the handbook.", ETag='"i1"')
+    site.page("/kb/leave.html", "Leave", "A primary caregiver gets sixteen weeks of okapi leave.", ETag='"v1"')
+    site.page("/kb/travel.html", "Travel", "Economy class for flights under six hours.",
+              **{"Last-Modified": "Tue, 01 Dec 2026 10:00:00 GMT"})
+    site.pages["/kb/moved"] = (301, {"Location": "/kb/parking.html"}, b"")
+    site.page("/kb/parking.html", "Parking", "The zebra garage opens at seven.", ETag='"p1"')
+    site.pages["/kb/metadata"] = (302, {"Location": "http://169.254.169.254/latest/meta-data/"}, b"")
+    site.page("/kb/huge.html", "Huge", "word " * 10_000)
+    site.page("/kb/slow.html", "Slow", "Answers in time only once released.", slow="1", ETag='"s1"')
+    site.page("/kb/private/salaries.html", "Salaries", "Disallowed by robots.txt.")
+    site.page("/elsewhere/page.html", "Elsewhere", "Outside the declared path.")
+    kb("source", "add", "intranet", f"{site.base}/kb/", "--public")
+
+    first = ingest(expect=3)
+    failed = {e["file"]: e["reason"] for e in first["errors"]}
+    assert set(failed) == {"gone.html", "metadata", "huge.html", "slow.html"}, failed
+    assert "HTTP 404" in failed["gone.html"]
+    assert "redirected to http://169.254.169.254/latest/meta-data/" in failed["metadata"] and "not followed" in failed["metadata"]
+    assert "over the 0.02 MB limit" in failed["huge.html"] and "Timeout" in failed["slow.html"]
+    assert (first["documents_new"], first["documents_fetched"]) == (4, 4)  # index, leave, travel, parking
+    assert conn.execute("SELECT array_agg(locator ORDER BY locator) FROM documents").fetchone()[0] == \
+        ["index.html", "leave.html", "parking.html", "travel.html"]
+    assert any("sixteen weeks" in c for _, c in texts(conn, embedder, "okapi leave primary caregiver"))
+    assert any("zebra garage" in c for _, c in texts(conn, embedder, "zebra garage parking"))
+    asked = site.requested()
+    assert not any(p.startswith("/kb/private/") or p.startswith("/elsewhere/") for p in asked), asked
+
+    site.slow.set()
+    before = len(site.log)
+    again = ingest(expect=3)  # gone, metadata and huge fail again; slow now answers
+    conditional = {path: (etag, since) for path, etag, since in site.log[before:]}
+    assert conditional["/kb/leave.html"] == ('"v1"', None)
+    assert conditional["/kb/travel.html"][1] == "Tue, 01 Dec 2026 10:00:00 GMT"
+    assert (again["documents_unchanged"], again["documents_new"]) == (4, 1)  # 304s, and slow.html at last
+    assert again["documents_fetched"] == 2  # slow.html, and parking.html behind its redirect (no tag for /kb/moved)
+
+    site.page("/kb/leave.html", "Leave", "A primary caregiver gets twenty weeks of okapi leave.", ETag='"v2"')
+    changed = ingest(expect=3)
+    assert (changed["documents_changed"], changed["documents_fetched"]) == (1, 2)
+    now = texts(conn, embedder, "okapi leave primary caregiver")
+    assert any("twenty weeks" in c for _, c in now) and not any("sixteen" in c for _, c in now)
+
+
+def test_a_site_without_a_sitemap_is_crawled_by_its_links_and_a_page_gone_is_deleted(settings, conn, embedder, site):
+    site.page("/docs/", "Start", "The start page.", links=["a.html", "/docs/b.html", "/outside.html",
+                                                          "http://169.254.169.254/"])
+    site.page("/docs/a.html", "A", "Page A talks about okapi stew.", links=["c.html"])
+    site.page("/docs/b.html", "B", "Page B talks about zebra curry.")
+    site.page("/docs/c.html", "C", "Page C talks about lemur soup.")
+    kb("source", "add", "docs", f"{site.base}/docs/", "--public")
+    first = ingest()
+    assert first["documents_new"] == 4 and "/outside.html" not in site.requested()
+    site.page("/docs/a.html", "A", "Page A talks about okapi stew.")  # the link to c is gone, and so is c
+    del site.pages["/docs/c.html"]
+    second = ingest()
+    assert second["documents_deleted"] == 1
+    assert not any("lemur" in c for _, c in texts(conn, embedder, "lemur soup"))
+    assert any("okapi" in c for _, c in texts(conn, embedder, "okapi stew"))
+
+
+def test_a_host_name_that_resolves_inside_is_crawled_only_when_declared_private(settings, conn, site):
+    site.page("/docs/", "Start", "The start page.")
+    kb("source", "add", "local", f"http://localhost:{site.port}/docs/", "--public")
+    refused = ingest(expect=3)
+    assert len(refused["errors"]) == 1 and "inside a private network" in refused["errors"][0]["reason"]
+    assert "private_network = true" in refused["errors"][0]["reason"] and site.requested() == []
+    kb("source", "add", "intranet", f"http://localhost:{site.port}/docs/", "--public", "--private-network", expect=2)
+    kb("source", "remove", "local")
+    kb("source", "add", "intranet", f"http://localhost:{site.port}/docs/", "--public", "--private-network")
+    assert ingest("--source", "intranet")["documents_new"] == 1
+
+
+def test_web_declarations_refuse_credentials(settings):
+    refused = kb("source", "add", "w", "https://user:secret@intranet.example.com/", "--public", expect=2)
+    assert "holds no credentials" in refused and "secret" not in refused
+    assert "for web sources" in kb("source", "add", "p", ".", "--public", "--private-network", expect=2)
