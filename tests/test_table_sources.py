@@ -4,16 +4,14 @@ guard, and the password never comes from, or goes into, kb's declarations."""
 
 from __future__ import annotations
 
-import json
 import uuid
 from urllib.parse import quote
 
 import psycopg
 import pytest
-from click.testing import CliRunner
 from psycopg import sql
 
-from pipelines.cli import main
+from cli_runs import ingest, kb
 from pipelines.retrieval.search import Filters, search
 
 
@@ -36,16 +34,6 @@ def support_db(server_url):
         yield url, db
     with psycopg.connect(server_url, autocommit=True) as admin:
         admin.execute(sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(name)))
-
-
-def kb(*args: str, expect: int = 0) -> str:
-    result = CliRunner().invoke(main, list(args))
-    assert result.exit_code == expect, result.output
-    return result.output if expect == 2 else result.stdout
-
-
-def ingest(*args: str, expect: int = 0) -> dict:
-    return json.loads(kb("ingest", *args, "--json", expect=expect))
 
 
 def hits(conn, embedder, query: str, **filters) -> list[tuple[str, str]]:
