@@ -126,13 +126,18 @@ def test_a_site_is_crawled_from_its_sitemap_and_refreshed_with_conditional_gets(
 
 def test_a_site_without_a_sitemap_is_crawled_by_its_links_and_a_page_gone_is_deleted(settings, conn, embedder, site):
     site.page("/docs/", "Start", "The start page.", links=["a.html", "/docs/b.html", "/outside.html",
-                                                          "http://169.254.169.254/"])
+                                                          "http://169.254.169.254/", "/docs/../secret.html",
+                                                          "/docs/%2e%2e/secret.html", "../secret.html"])
+    site.page("/secret.html", "Secret", "Outside the declared path.")
     site.page("/docs/a.html", "A", "Page A talks about okapi stew.", links=["c.html"])
     site.page("/docs/b.html", "B", "Page B talks about zebra curry.")
     site.page("/docs/c.html", "C", "Page C talks about lemur soup.")
     kb("source", "add", "docs", f"{site.base}/docs/", "--public")
     first = ingest()
-    assert first["documents_new"] == 4 and "/outside.html" not in site.requested()
+    assert first["documents_new"] == 4
+    asked = site.requested()
+    assert not [p for p in asked if not p.startswith("/docs/") and p not in ("/robots.txt", "/sitemap.xml")], asked
+    assert not [p for p in asked if ".." in p or "%2e" in p.lower()], "a server reads /docs/%2e%2e/ as /"
     site.page("/docs/a.html", "A", "Page A talks about okapi stew.")  # the link to c is gone, and so is c
     del site.pages["/docs/c.html"]
     second = ingest()

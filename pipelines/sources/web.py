@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import ipaddress
 import json
+import re
 import socket
 import xml.etree.ElementTree as ElementTree
 from collections import deque
@@ -72,7 +73,9 @@ class Scope:
                    private_network)
 
     def holds(self, url: str) -> bool:
-        parts = urlsplit(url)
+        """Whether the URL is this origin's, below the declared path, once its dot segments are resolved as a
+        server would resolve them (`/kb/../private/` is `/private/`)."""
+        parts = urlsplit(resolved(url))
         try:
             port = parts.port or (443 if parts.scheme == "https" else 80)
         except ValueError:
@@ -107,6 +110,14 @@ class Scope:
             if (address.is_loopback or address.is_private) and named is None and not self.private_network:
                 raise WebError(f"{host} resolves to {address}, inside a private network; if the site really is the"
                                " company's own, declare it with private_network = true")
+
+
+def resolved(url: str) -> str:
+    """The URL with its dot segments (also percent-encoded ones) removed, as servers read it."""
+    parts = urlsplit(url)
+    path = re.sub(r"%2[eE]", ".", parts.path) or "/"
+    clean = urlsplit(urljoin(f"{parts.scheme}://{parts.netloc}/", path if path.startswith("/") else "/" + path))
+    return urlunsplit((parts.scheme, parts.netloc, clean.path, parts.query, ""))
 
 
 class _Links(HTMLParser):
@@ -171,7 +182,7 @@ class Site:
             try:
                 with self.client.stream("GET", url, headers=headers) as response:
                     if response.has_redirect_location:
-                        target = urljoin(url, response.headers.get("location", ""))
+                        target = resolved(urljoin(url, response.headers.get("location", "")))
                         if not self.scope.holds(target):
                             raise PageError(f"redirected to {target}, outside {self._shown()}: not followed")
                         url = target
@@ -264,8 +275,8 @@ def links_of(page: Page) -> tuple[list[str], str | None]:
         parser.feed(page.body.decode("utf-8", "replace"))
     except Exception:  # noqa: BLE001 - html.parser on hostile markup: no links is the safe answer
         return [], None
-    absolute = [urljoin(page.url, href).split("#", 1)[0] for href in parser.links]
-    return absolute, urljoin(page.url, parser.canonical) if parser.canonical else None
+    absolute = [resolved(urljoin(page.url, href).split("#", 1)[0]) for href in parser.links]
+    return absolute, resolved(urljoin(page.url, parser.canonical)) if parser.canonical else None
 
 
 def crawl(site: Site, known_tags: dict[str, str | None], stored: Callable[[str], bytes | None], max_pages: int,
@@ -275,7 +286,7 @@ def crawl(site: Site, known_tags: dict[str, str | None], stored: Callable[[str],
     (reason, None) once and stops when `max_pages` is reached: the crawl is then incomplete."""
     rules = site.robots()
     listed = site.sitemap_urls(rules)
-    queue = deque((url, 0) for url in dict.fromkeys([site.scope.start, *listed]))
+    queue = deque((url, 0) for url in dict.fromkeys(resolved(url) for url in [site.scope.start, *listed]))
     follow = not listed
     seen: set[str] = set()
     visited = 0
