@@ -90,7 +90,7 @@ WITH visible AS (
     -- the other terms by probes of the chunk's postings. With every term essential and no cut, this is exact BM25.
     SELECT p.chunk_id,
            sum(w.idf * (p.tf * (%(bm25_k1)s + 1))
-               / (p.tf + %(bm25_k1)s * (1 - %(bm25_b)s + %(bm25_b)s * p.length / corpus.avg_length))) AS score
+               / (p.tf + %(bm25_k1)s * (1 - %(bm25_b)s + %(bm25_b)s * p.length / corpus.avg_length)) ORDER BY w.term) AS score
     FROM weights w
     JOIN term_sources ts USING (term)
     CROSS JOIN LATERAL (
@@ -122,14 +122,14 @@ WITH visible AS (
     -- probes.
     SELECT s.chunk_id, s.score + coalesce((
         SELECT sum(w.idf * (p.tf * (%(bm25_k1)s + 1))
-                   / (p.tf + %(bm25_k1)s * (1 - %(bm25_b)s + %(bm25_b)s * p.length / corpus.avg_length)))
+                   / (p.tf + %(bm25_k1)s * (1 - %(bm25_b)s + %(bm25_b)s * p.length / corpus.avg_length)) ORDER BY w.term)
         FROM weights w JOIN term_sources ts USING (term)
         JOIN lexical_postings_any p ON p.chunk_id = s.chunk_id AND p.term_key = ts.term_key CROSS JOIN corpus
         WHERE NOT w.essential), 0) AS score
     FROM candidates s
     UNION ALL
     SELECT x.chunk_id, sum(w.idf * (p.tf * (%(bm25_k1)s + 1))
-                           / (p.tf + %(bm25_k1)s * (1 - %(bm25_b)s + %(bm25_b)s * p.length / corpus.avg_length)))
+                           / (p.tf + %(bm25_k1)s * (1 - %(bm25_b)s + %(bm25_b)s * p.length / corpus.avg_length)) ORDER BY w.term)
     FROM unnest(%(within)s::bigint[]) AS x(chunk_id)
     JOIN weights w ON %(lexical_n)s > 0
     JOIN term_sources ts USING (term)
@@ -157,7 +157,7 @@ SELECT f.chunk_id, d.source_id, d.locator, d.title, c.section_path, c.text, c.en
        CASE WHEN %(dense_n)s > 0 THEN 1 - (v.embedding <=> %(vector)s) END AS dense_score,
        f.lexical_rank,
        coalesce((SELECT sum(w.idf * (p.tf * (%(bm25_k1)s + 1))
-                           / (p.tf + %(bm25_k1)s * (1 - %(bm25_b)s + %(bm25_b)s * p.length / corpus.avg_length)))
+                           / (p.tf + %(bm25_k1)s * (1 - %(bm25_b)s + %(bm25_b)s * p.length / corpus.avg_length)) ORDER BY w.term)
                  FROM weights w JOIN term_sources ts USING (term)
                  JOIN lexical_postings_any p ON p.chunk_id = f.chunk_id AND p.term_key = ts.term_key
                  CROSS JOIN corpus), 0) AS lexical_score,
