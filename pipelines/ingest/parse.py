@@ -47,7 +47,7 @@ from pipelines.ingest.sentences import import_spacy
 from pipelines.ingest.workers import Lost, Workers, spread_map, where
 from pipelines.settings import Limits
 from pipelines.ingest.hashing import hash_bytes
-from pipelines.sources.declarations import where
+from pipelines.sources.declarations import located
 from pipelines.sources.files import NotARegularFile, OutsideSource, host, read_below
 from pipelines.sources.objects import Reader, address, is_url
 from pipelines.sources.web import Scope, is_web, page_url
@@ -310,7 +310,7 @@ def parse_pending(conn: psycopg.Connection, source_ids: list[str] | None = None,
             report.fail(Failure(source_id, locator, STAGE, f"{reason} (unchanged since it failed on"
                                 f" {failed_at:%Y-%m-%d %H:%M} UTC; not parsed again: `kb ingest --retry-failed`)"))
             continue
-        root = str(where(location, declared_in, source_id))
+        root = str(located(location, declared_in, source_id))
         pending.append((doc_id, locator, doc_format, content_hash, root, source_id, allow, known_root, kind))
     progress.total(len(pending))
     if not workers.dask:  # one changed file starts one worker, not a pool of idle ones

@@ -64,7 +64,7 @@ class Source:
         """Where the source is on this machine: a path, an object store's URL, or its table's (tables.place_path)."""
         if self.table is not None:
             return place_path(self.location, self.table)
-        return where(self.location, self.declared_in, self.source_id)
+        return located(self.location, self.declared_in, self.source_id)
 
     def declaration(self) -> dict:
         """Everything that governs the source, as recorded in the audit trail and compared on re-declaration."""
@@ -113,7 +113,7 @@ def resolve_declared(path: str, declared_in: str | None, source_id: str | None =
     return config.resolve().parent / declared
 
 
-def where(location: str, declared_in: str | None, source_id: str | None = None) -> Path | str:
+def located(location: str, declared_in: str | None, source_id: str | None = None) -> Path | str:
     """A declared location on this machine: an object store's URL as it is, a path as resolve_declared says."""
     return location if is_url(location) else resolve_declared(location, declared_in, source_id)
 
@@ -162,7 +162,7 @@ def declare(name: str | None, path: str | Path, include=(), exclude=(), groups=N
             upstream: str | None = None, private_network: bool = False) -> Source:
     """A validated declaration; the name defaults to the folder or file name. Paths that a config file
     (`declared_in`) gives relative to itself are kept relative to it; others are made absolute."""
-    kind, location = locate(where(str(path), declared_in, name))
+    kind, location = locate(located(str(path), declared_in, name))
     include, exclude, groups = _globs(include, "include"), _globs(exclude, "exclude"), _readers(groups)
     name = name or Path(location).stem
     location = _as_declared(path, location, declared_in)
@@ -469,7 +469,7 @@ def update_source(conn: psycopg.Connection, source_id: str, who: str, via_config
         stored = _changeable(conn, source_id, via_config, "edit it there and run `kb source apply {}`")
         declared_in = changes.get("declared_in", stored.declared_in)
         if "location" in changes:
-            changes["kind"], resolved = locate(where(str(changes["location"]), declared_in, source_id))
+            changes["kind"], resolved = locate(located(str(changes["location"]), declared_in, source_id))
             changes["location"] = _as_declared(changes["location"], resolved, declared_in)
         if "groups" in changes:
             changes["groups"] = _readers(changes["groups"])
