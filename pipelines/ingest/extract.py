@@ -38,10 +38,10 @@ from pipelines.settings import Limits
 from pipelines.sources.declarations import TREES, Source, add_coverage, load_sources, narrower
 from pipelines.sources.files import OutsideSource, RootChanged, host, identity, open_below, open_root, walk_below
 from pipelines.sources.objects import Reader, address, list_objects
+from pipelines.sources.overlaps import Place, below, mounts_below, place
 from pipelines.sources.tables import Rows
 from pipelines.sources.web import PageError, Scope, Site, page_url
 from pipelines.sources.web import crawl as web_crawl
-from pipelines.sources.overlaps import Place, below, mounts_below, place
 from pipelines.storage import bulk
 from pipelines.storage.locks import LOCK_NAMESPACE
 
@@ -377,9 +377,14 @@ def _records(crawl: Crawl, handle, location: str, progress: Progress) -> Iterato
             crawl.fail(locator, f"{location} line {line_no} (_id {locator!r}): {problem}")
             yield Found(locator, "record", 0, None, None, failed=True)
             continue
-        record = without_nul(record)
-        canonical = json.dumps(record, sort_keys=True, ensure_ascii=False)
-        yield Found(locator, "record", len(canonical.encode()), None, hash_text(canonical), record)
+        yield _record_found(locator, record)
+
+
+def _record_found(locator: str, record: dict, version_tag: str | None = None) -> Found:
+    """A valid record as found: NUL characters dropped, hashed in its canonical JSON (a JSONL line or a table row)."""
+    record = without_nul(record)
+    canonical = json.dumps(record, sort_keys=True, ensure_ascii=False)
+    return Found(locator, "record", len(canonical.encode()), None, hash_text(canonical), record, version_tag=version_tag)
 
 
 def walk_web(crawl: Crawl, known: Known, progress: Progress = NO_PROGRESS, conn: psycopg.Connection | None = None,
@@ -464,10 +469,7 @@ def walk_table(crawl: Crawl, known: Known, progress: Progress = NO_PROGRESS) -> 
                 crawl.fail(row_id, f"{source.path}: {spec.id} {row_id!r}: {problem}")
                 yield Found(row_id, "record", 0, None, None, failed=True)
                 continue
-            record = without_nul(record)
-            canonical = json.dumps(record, sort_keys=True, ensure_ascii=False)
-            yield Found(row_id, "record", len(canonical.encode()), None, hash_text(canonical), record,
-                        version_tag=wanted[row_id])
+            yield _record_found(row_id, record, wanted[row_id])
 
 
 def record_elements(record: dict) -> ParsedDocument:
