@@ -21,7 +21,7 @@ import re
 import socket
 import xml.etree.ElementTree as ElementTree
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from html.parser import HTMLParser
 from typing import Callable, Iterator
 from urllib.parse import urljoin, urlsplit, urlunsplit
@@ -120,6 +120,11 @@ def resolved(url: str) -> str:
     return urlunsplit((parts.scheme, parts.netloc, clean.path, parts.query, ""))
 
 
+def _shown(scope: Scope) -> str:
+    scheme, host, port = scope.origin
+    return f"{scheme}://{host}:{port}{scope.prefix}"
+
+
 class _Links(HTMLParser):
     """The links and the canonical URL of an HTML page."""
 
@@ -165,10 +170,11 @@ class Site:
     def __exit__(self, *exc) -> None:
         self.client.close()
 
-    def get(self, url: str, tag: str | None = None, limit: float | None = None) -> Page:
-        """The page at `url` (redirects inside the scope followed), or PageError."""
+    def get(self, url: str, tag: str | None = None, limit: float | None = None, scope: Scope | None = None) -> Page:
+        """The page at `url` (redirects inside `scope`, by default the source's, followed), or PageError."""
         import httpx
 
+        scope = scope or self.scope
         headers = {}
         if tag:
             validators = json.loads(tag)
@@ -177,14 +183,14 @@ class Site:
             if validators.get("last_modified"):
                 headers["If-Modified-Since"] = validators["last_modified"]
         for _ in range(MAX_REDIRECTS + 1):
-            self.scope.check_address()
+            scope.check_address()
             self.requests += 1
             try:
                 with self.client.stream("GET", url, headers=headers) as response:
                     if response.has_redirect_location:
                         target = resolved(urljoin(url, response.headers.get("location", "")))
-                        if not self.scope.holds(target):
-                            raise PageError(f"redirected to {target}, outside {self._shown()}: not followed")
+                        if not scope.holds(target):
+                            raise PageError(f"redirected to {target}, outside {_shown(scope)}: not followed")
                         url = target
                         continue
                     if response.status_code == 304:
@@ -209,10 +215,6 @@ class Site:
                 raise PageError(f"the page is over the {limit / 1e6:g} MB limit (KB_MAX_FILE_MB)")
         return bytes(data)
 
-    def _shown(self) -> str:
-        scheme, host, port = self.scope.origin
-        return f"{scheme}://{host}:{port}{self.scope.prefix}"
-
     def robots(self) -> RobotFileParser:
         """The site's robots.txt rules; WebError when it cannot be read (a 4xx means no rules)."""
         scheme, host, port = self.scope.origin
@@ -229,14 +231,12 @@ class Site:
         return rules
 
     def _origin_get(self, url: str) -> Page:
-        """A request to the origin outside the declared path (robots.txt, sitemaps): same address checks, no
-        redirect followed."""
-        saved = self.scope
-        self.scope = Scope(saved.origin, "/", saved.start, saved.private_network)
-        try:
-            return self.get(url, limit=SITEMAP_BYTES)
-        finally:
-            self.scope = saved
+        """A request to the origin outside the declared path (robots.txt, sitemaps): the same address checks, and
+        redirects followed on the origin only."""
+        return self.get(url, limit=SITEMAP_BYTES, scope=self._origin())
+
+    def _origin(self) -> Scope:
+        return replace(self.scope, prefix="/")
 
     def sitemap_urls(self, rules: RobotFileParser) -> list[str]:
         """The in-scope page URLs the site's sitemaps list (robots.txt's Sitemap: lines, else /sitemap.xml), an
@@ -246,7 +246,7 @@ class Site:
         seen, pages = set(), []
         while queue and len(seen) < MAX_SITEMAPS:
             url = queue.popleft()
-            if url in seen or not Scope(self.scope.origin, "/", url, False).holds(url):
+            if url in seen or not self._origin().holds(url):
                 continue
             seen.add(url)
             try:
