@@ -121,12 +121,13 @@ def source_fingerprint(path: str, max_entries: int = 200_000) -> str:
 
 @dg.sensor(job=ingest_job, minimum_interval_seconds=60, default_status=dg.DefaultSensorStatus.STOPPED)
 def source_change_sensor(context: dg.SensorEvaluationContext, kb: KnowledgeBase):
-    """Requests a refresh of each source whose files were added, removed or modified since the last tick. A bucket
-    refreshes on its cron: listing it every minute would cost requests (and money) for what a cron run does."""
+    """Requests a refresh of each folder or JSONL source whose files were added, removed or modified since the last
+    tick. Buckets, sites and tables refresh on their cron (or their upstream asset): listing a bucket or crawling a
+    site every minute would cost requests (and money) for what a cron run does."""
     seen = json.loads(context.cursor) if context.cursor else {}
     requests = []
     for source in _partitioned(context, kb):
-        if source.kind == "objects":
+        if source.kind not in ("folder", "jsonl"):
             continue
         fingerprint = source_fingerprint(str(source.path))
         if seen.get(source.source_id) != fingerprint:

@@ -91,6 +91,19 @@ def ingest_flow(context: dg.AssetExecutionContext, kb: KnowledgeBase, config: Cr
             raise dg.Failure(description=str(failed), metadata=gate_metadata(failed.gate)) from None
 
 
+def with_upstreams(upstreams: list[dg.AssetKey]) -> dg.AssetsDefinition:
+    """The flow's assets, its first stage depending on the assets that sources declare as their upstream, so the
+    lineage graph shows what feeds kb. An edge is between assets, not partitions: every source's partition depends
+    on every upstream (AllPartitionMapping), while the refresh is per source (assets/automation.py
+    upstream_refresh)."""
+    if not upstreams:
+        return ingest_flow
+    deps = [dg.AssetDep(key, partition_mapping=dg.AllPartitionMapping()) for key in upstreams]
+    first = dg.AssetKey(FLOW[0].asset)
+    return dg.map_asset_specs(lambda spec: spec.merge_attributes(deps=deps) if spec.key == first else spec,
+                              [ingest_flow])[0]
+
+
 def _checks(context: dg.AssetExecutionContext, conn, stage, report, kb: KnowledgeBase) -> list[dg.AssetCheckResult]:
     if not stage.gated:
         return []

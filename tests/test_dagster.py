@@ -32,13 +32,13 @@ def declare_sources(conn, instance, **locations) -> None:
     instance.add_dynamic_partitions(SOURCES, list(locations))
 
 
-def test_definitions_load_with_the_stage_lineage():
-    graph = defs.resolve_asset_graph()
+def test_definitions_load_with_the_stage_lineage(settings):
+    graph = defs().resolve_asset_graph()
     keys = STAGE_KEYS
     assert set(keys) <= set(graph.get_all_asset_keys())
     for upstream, downstream in zip(keys, keys[1:]):
         assert upstream in graph.get(downstream).parent_keys
-    assert defs.resolve_job_def(ingest_job.name).partitions_def == sources
+    assert defs().resolve_job_def(ingest_job.name).partitions_def == sources
 
 
 def test_loading_definitions_imports_neither_torch_nor_unstructured():
@@ -69,7 +69,8 @@ def test_assets_materialize_in_process_and_report_metadata(conn, instance):
 
 
 def test_sensor_requests_a_refresh_only_for_sources_that_changed(conn, instance, samples_copy):
-    declare_sources(conn, instance, samples=samples_copy, faq=SAMPLES_DIR / "faq.jsonl")
+    declare_sources(conn, instance, samples=samples_copy, faq=SAMPLES_DIR / "faq.jsonl",
+                    site="https://intranet.example.com/docs/", bucket="s3://handbook/policies/")
     resources = {"kb": KnowledgeBase()}
     first = source_change_sensor(dg.build_sensor_context(instance=instance, resources=resources))
     assert sorted(r.partition_key for r in first) == ["faq", "samples"]
@@ -102,6 +103,26 @@ def test_a_source_refreshes_when_its_upstream_asset_materializes(conn, instance,
     assert tick(cursor)[0] == [], "one materialization, one refresh"
     instance.report_runless_asset_event(dg.AssetMaterialization(asset_key=["marts", "other"]))
     assert tick(cursor)[0] == []
+
+
+def test_the_lineage_graph_draws_an_edge_from_each_declared_upstream_asset(conn, tmp_path, caplog, monkeypatch):
+    """The asset a source names as its upstream (another code location's) feeds kb's first asset in the lineage
+    graph, from the declarations when the code location loads; kb's own asset named there would be a cycle and is
+    skipped with a warning; a database that cannot answer draws no edge and the code location still loads."""
+    first = dg.AssetKey(FLOW[0].asset)
+    assert defs().resolve_asset_graph().get(first).parent_keys == set()
+    export = tmp_path / "faq.jsonl"
+    export.write_text((SAMPLES_DIR / "faq.jsonl").read_text())
+    add_source(conn, declare("faq", export, groups=["support"], upstream="marts/faq"), "tests")
+    add_source(conn, declare("loop", SAMPLES_DIR / "docs", groups=["support"], upstream="published_chunks"), "tests")
+    graph = defs().resolve_asset_graph()
+    assert graph.get(first).parent_keys == {dg.AssetKey(["marts", "faq"])}
+    assert "kb's own asset published_chunks" in caplog.text
+    assert dg.AssetKey(["marts", "faq"]) not in graph.materializable_asset_keys  # drawn, not materialized by kb
+
+    monkeypatch.setenv("DATABASE_URL", "postgresql://nobody@127.0.0.1:1/none")
+    assert defs().resolve_asset_graph().get(first).parent_keys == set()
+    assert "no lineage edges from upstream assets this load" in caplog.text
 
 
 def _cursor_after(requests) -> str:

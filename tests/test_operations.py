@@ -98,14 +98,14 @@ def test_runs_execute_in_process_unless_their_run_config_asks_for_processes_or_d
     from assets.executors import kb_executor
 
     for job in ("ingest", "reembed", "__ASSET_JOB"):
-        assert defs.resolve_job_def(job).executor_def is kb_executor
+        assert defs().resolve_job_def(job).executor_def is kb_executor
     assert kb_executor.config_schema.default_value == {"in_process": {}}
     assert set(kb_executor.config_schema.config_type.fields) == {"in_process", "multiprocess", "dask"}
-    assert [job.name for job in defs.jobs] == ["ingest", "reembed", "migrate"]
+    assert [job.name for job in defs().jobs] == ["ingest", "reembed", "migrate"]
 
 
 def test_every_asset_has_owners_tags_real_upstreams_and_points_at_its_table(conn):
-    graph = defs.resolve_asset_graph()
+    graph = defs().resolve_asset_graph()
     for key in graph.get_all_asset_keys():
         node = graph.get(key)
         assert node.owners == ["team:search-platform"], key
@@ -124,10 +124,10 @@ def test_every_asset_has_owners_tags_real_upstreams_and_points_at_its_table(conn
 
 
 def test_the_staleness_sweep_runs_on_an_automation_condition_not_a_schedule():
-    graph = defs.resolve_asset_graph()
+    graph = defs().resolve_asset_graph()
     condition = graph.get(stale_documents.key).automation_condition
     assert condition is not None and "30 5 * * *" in str(condition.get_label() or condition)
-    assert not list(defs.schedules or [])
+    assert not list(defs().schedules or [])
 
 
 GOLDEN = SAMPLES_DIR / "golden.jsonl"
