@@ -32,6 +32,11 @@ def stage_metadata(conn: psycopg.Connection, stage: Stage, report: StageReport, 
     held = sum(conn.execute(stage.holds, {"id": source_id}).fetchone()[0] for source_id in source_ids)
     metadata = {**report_metadata(report), "dagster/row_count": dg.MetadataValue.int(held),
                 "sources": dg.MetadataValue.text(", ".join(source_ids))}
+    if report.notes.get("sources"):  # the extract stage: what each source's crawl listed, read, knew unchanged
+        from pipelines.storage.status import crawl_line
+
+        metadata["crawls"] = dg.MetadataValue.md("\n".join(f"- `{source_id}`: {crawl_line(crawl)}"
+                                                           for source_id, crawl in report.notes["sources"].items()))
     if report.notes.get("workers"):  # the parse stage: documents each worker parsed
         metadata["workers"] = dg.MetadataValue.json(report.notes["workers"])
     if stage.name == "embed":

@@ -338,23 +338,20 @@ def _name_in_config(conn, settings, path: str) -> str | None:
     return path
 
 
-def _fetched(d: dict) -> str:
-    """What the crawls of buckets and tables read; the rest they knew unchanged by the listing's ETag or the row's
-    version, without reading it."""
-    return f"; {d['documents_fetched']} fetched from buckets or tables" if d.get("documents_fetched") else ""
-
-
 def _ingest_lines(data: dict, unsupported: str) -> list[str]:
-    """The run's counters as sentences a person reads: documents, what was skipped, chunks, time, then each failed
-    file. Chunks say what happened to them (added, updated in place, closed), not a sum of writes."""
+    """The run's counters as sentences a person reads: documents, then what each source's crawl listed, read and knew
+    unchanged without reading it, what was skipped, chunks, time, then each failed file. Chunks say what happened to them (added, updated in place, closed), not a sum of writes."""
+    from pipelines.storage.status import crawl_line
+
     d = data
     lines = [f"documents: {d['documents_seen']} seen ({d['documents_new']} new, {d['documents_changed']} changed,"
-             f" {d['documents_unchanged']} unchanged{_fetched(d)}), {d['documents_published']} published,"
+             f" {d['documents_unchanged']} unchanged), {d['documents_published']} published,"
              f" {d['documents_deleted']} deleted, {d['documents_failed']} failed",
              f"chunks: {d['chunks_inserted']} added, {d['chunks_updated']} updated, {d['chunks_closed']} closed;"
              f" {d['embeddings_computed']} embedded, {d['embeddings_reused']} reused; {_count(d['cards_written'], 'Q&A card')}",
              f"time: {sum(d['elapsed_s'].values()):.1f} s (" + ", ".join(f"{stage} {seconds:.2f} s" for stage, seconds
                                                                     in d["elapsed_s"].items()) + ")"]
+    lines[1:1] = [f"  {source_id}: {crawl_line(crawl)}" for source_id, crawl in d["sources"].items()]
     if d["skipped"]:
         shown = [f"{s['source']}:{_shown(s['file'])}" for s in d["skipped"][:10]]
         lines.insert(1, f"skipped {_count(len(d['skipped']), 'file')} of types kb does not read: {', '.join(shown)}"
@@ -381,7 +378,7 @@ def _record_in_dagster(conn, settings, run, embedder) -> None:
 def status(as_json) -> None:
     """Where the knowledge base is, its sources with document and chunk counts, failures and the last run."""
     from pipelines.storage.database import connect
-    from pipelines.storage.status import knowledge_base_status
+    from pipelines.storage.status import crawl_line, knowledge_base_status
 
     settings = load_settings()
     with connect(settings) as conn:
@@ -392,7 +389,8 @@ def status(as_json) -> None:
             f" {'DATABASE_URL' if settings.database_url else 'embedded in it'})"]
     text += [f"{s['source_id']} ({s['kind']} {s['location']}; readable by {_readers(s['allowed_groups'])}):"
             f" {_count(s['documents'], 'document')}, {_count(s['chunks'], 'chunk')}, {s['deleted']} deleted, {s['failed']} failing,"
-            f" {s['stale']} stale, last crawled {_when(s['last_crawled_at'])}" for s in data["sources"]]
+            f" {s['stale']} stale, last crawled {_when(s['last_crawled_at'])}"
+            + (f"\n  last crawl: {crawl_line(s['last_crawl'])}" if s["last_crawl"] else "") for s in data["sources"]]
     text += [f"failing: {f['source_id']}:{_shown(f['locator'])}: {_shown(f['reason'])}" for f in data["failures"]]
     text.append(f"models: {', '.join(m['model_key'] + ' (' + m['state'] + ')' for m in data['models']) or 'none'}")
     if run := data["last_run"]:

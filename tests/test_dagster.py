@@ -64,6 +64,8 @@ def test_assets_materialize_in_process_and_report_metadata(conn, instance):
     again = {e.asset_key.path[-1]: e.step_materialization_data.materialization.metadata
              for e in rerun.get_asset_materialization_events()}
     assert again["source_documents"]["unchanged"].value == 9
+    assert again["source_documents"]["crawls"].value == (
+        "- `samples`: 9 listed, 0 read, 9 unchanged (9 not read: size and mtime), 0 failed, 0 deleted")
     assert again["chunk_embeddings"]["computed"].value == 0
     assert again["published_chunks"]["chunks_written"].value == 0
 

@@ -122,6 +122,7 @@ def test_a_bucket_is_ingested_and_a_refresh_downloads_only_what_changed(settings
     again = ingest("--source", "bucket")
     asked = s3.requests()[served:]
     assert (again["documents_unchanged"], again["documents_fetched"]) == (3, 0)
+    assert "  bucket: 3 listed, 0 fetched, 3 unchanged (3 not read: ETag), 0 failed, 0 deleted" in kb("ingest")
     assert asked and all(line.startswith(f"GET /{name}?") or line.startswith(f"HEAD /{name}") for line in asked), asked
 
     put(client, name, "docs/leave.md", "# Parental leave\n\nA primary caregiver gets twenty weeks of paid leave.\n")
@@ -131,6 +132,7 @@ def test_a_bucket_is_ingested_and_a_refresh_downloads_only_what_changed(settings
     changed = ingest("--source", "bucket", "--allow-deletions")  # 1 of 3 deleted is within the share; said anyway
     reads = [line for line in s3.requests()[served:] if line.startswith(f"GET /{name}/")]
     assert (changed["documents_changed"], changed["documents_fetched"], changed["documents_deleted"]) == (1, 1, 1)
+    assert "last crawl: 2 listed, 1 fetched, 1 unchanged (1 not read: ETag), 0 failed, 1 deleted" in kb("status")
     assert {line.split()[1].split("?")[0] for line in reads} == {f"/{name}/docs/leave.md"}  # crawl, then parse
     now = texts(conn, embedder, "paid leave for a primary caregiver")
     assert any("twenty weeks" in c for _, c in now) and not any("sixteen" in c for _, c in now)
@@ -177,6 +179,7 @@ def test_a_listing_that_fails_deletes_nothing_and_says_so_in_one_line(settings, 
         assert f"cannot list s3://{name}" in result["errors"][0]["reason"] and why in result["errors"][0]["reason"]
         assert result["documents_deleted"] == 0
     assert any("okapi" in c for _, c in texts(conn, embedder, "canteen Fridays")), "a failed listing deleted nothing"
+    assert "last crawl: saw nothing: the source could not be read (see failing)" in kb("status")
 
 
 def test_a_missing_bucket_is_a_failed_crawl_not_an_empty_one(settings, conn, embedder, bucket):

@@ -62,6 +62,7 @@ def test_rows_are_documents_and_a_refresh_fetches_only_the_rows_that_changed(set
 
     again = ingest()
     assert (again["documents_unchanged"], again["documents_fetched"]) == (3, 0)
+    assert "last crawl: 3 listed, 0 fetched, 3 unchanged (3 not read: row version), 0 failed, 0 deleted" in kb("status")
 
     db.execute("UPDATE tickets SET resolution = 'Reinstall the client.', updated_at = now() WHERE ticket_id = 2")
     db.execute("UPDATE tickets SET updated_at = updated_at - interval '1 day' WHERE ticket_id = 3")  # a clock gone back

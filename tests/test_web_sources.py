@@ -116,6 +116,9 @@ def test_a_site_is_crawled_from_its_sitemap_and_refreshed_with_conditional_gets(
     assert conditional["/kb/travel.html"][1] == "Tue, 01 Dec 2026 10:00:00 GMT"
     assert (again["documents_unchanged"], again["documents_new"]) == (4, 1)  # 304s, and slow.html at last
     assert again["documents_fetched"] == 2  # slow.html, and parking.html behind its redirect (no tag for /kb/moved)
+    crawl = again["sources"]["intranet"]
+    assert (crawl["listed"], crawl["read"], crawl["unread"], crawl["unread_by"], crawl["failed"]) == (
+        8, 2, 3, "304 Not Modified", 3)  # 5 pages and 3 failures listed
 
     site.page("/kb/leave.html", "Leave", "A primary caregiver gets twenty weeks of okapi leave.", ETag='"v2"')
     changed = ingest(expect=3)

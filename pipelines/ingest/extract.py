@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Iterator
 
 import psycopg
+from psycopg.types.json import Jsonb
 
 from pipelines.ingest.elements import Element, ParsedDocument, without_nul, write_elements
 from pipelines.ingest.failures import Failure, record_failure
@@ -79,6 +80,7 @@ class Crawl:
     blind: bool = False  # some record could not be identified: the crawl cannot tell what is missing
     failed: set[str] = field(default_factory=set)  # failure locators of this crawl
     skip_unsupported: bool = True  # KB_UNSUPPORTED_FILES=skip: a file of a type kb does not read is listed, not failed
+    unread: int = 0  # documents known unchanged without reading them (UNREAD_BY)
 
     def fail(self, locator: str, reason: str) -> None:
         self.failed.add(locator)
@@ -555,6 +557,7 @@ def _write_batch(conn: psycopg.Connection, crawl: Crawl, batch: list[Found], kno
             stored = known.get(f.locator)
             kind = "new" if stored is None else "unchanged" if f.content_hash in (None, stored[2]) else "changed"
             crawl.report.counts[kind] += 1
+            crawl.unread += kind == "unchanged" and f.content_hash is None
 
 
 def _deletions(crawl: Crawl, known: Known, allow_deletions: bool) -> list[str]:
@@ -656,6 +659,7 @@ def crawl_source(conn: psycopg.Connection, source: Source, report: StageReport, 
     """Crawl one source: upsert what changed and mark what disappeared, all in one transaction (the run's gated
     publish deletes what vanished, with what it publishes). The root's identity is recorded at the first crawl on this
     host and must match afterwards, unless a new root is accepted."""
+    before = report.counts.copy()
     known_root = None if accept_new_root else conn.execute(
         "SELECT root_identities ->> %s FROM sources WHERE source_id = %s", (host(), source.source_id)).fetchone()[0]
     inside, roots = _neighbours(conn, source)
@@ -703,11 +707,28 @@ def crawl_source(conn: psycopg.Connection, source: Source, report: StageReport, 
         # A crawl failure that did not happen again is fixed (a record's line repaired, a file removed).
         conn.execute("DELETE FROM failures WHERE source_id = %s AND stage = %s AND NOT locator = ANY(%s)"
                      " AND NOT locator ^@ ANY(%s)", (source.source_id, STAGE, sorted(crawl.failed), crawl.unseen))
-        conn.execute("UPDATE sources SET last_crawled_at = now(), root_identities = root_identities"
+        summary = _summary(crawl, before, len(gone))
+        report.notes.setdefault("sources", {})[source.source_id] = summary
+        conn.execute("UPDATE sources SET last_crawled_at = now(), last_crawl = %s, root_identities = root_identities"
                      " || jsonb_build_object(%s::text, %s::text) WHERE source_id = %s",
-                     (host(), crawl.root_identity, source.source_id))
+                     (Jsonb(summary), host(), crawl.root_identity, source.source_id))
         conn.execute("UPDATE documents SET stale_since = NULL WHERE source_id = %s AND stale_since IS NOT NULL",
                      (source.source_id,))
+
+
+# How each kind knows a document unchanged without reading it (Found.content_hash None).
+UNREAD_BY = {"folder": "size and mtime", "jsonl": "size and mtime", "objects": "ETag", "web": "304 Not Modified",
+             "table": "row version"}
+
+
+def _summary(crawl: Crawl, before: Counter, deleted: int) -> dict:
+    """What this crawl did to its source: the report's counts since it began, what it did not read and why."""
+    done = {name: crawl.report.counts[name] - before[name] for name in ("seen", "new", "changed", "unchanged", "failed",
+                                                                         "skipped")}
+    return {"kind": crawl.source.kind, "listed": done["seen"], "read": done["new"] + done["changed"] + done["unchanged"] - crawl.unread,
+            "new": done["new"], "changed": done["changed"], "unchanged": done["unchanged"], "unread": crawl.unread,
+            "unread_by": UNREAD_BY[crawl.source.kind], "failed": done["failed"], "skipped": done["skipped"],
+            "deleted": deleted}
 
 
 def extract(conn: psycopg.Connection, sources: list[Source], limits: Limits = Limits(),
@@ -735,5 +756,7 @@ def _blind(conn: psycopg.Connection, report: StageReport, source: Source, reason
     report.fail(failure)
     with conn.transaction():
         record_failure(conn, failure, None)
+        summary = report.notes.setdefault("sources", {})[source.source_id] = {"kind": source.kind, "blind": True}
+        conn.execute("UPDATE sources SET last_crawl = %s WHERE source_id = %s", (Jsonb(summary), source.source_id))
         conn.execute("UPDATE documents SET vanished_at = NULL WHERE source_id = %s AND vanished_at IS NOT NULL",
                      (source.source_id,))

@@ -80,7 +80,8 @@ class IngestSummary:
         return {**self.counters(), "errors": [
             {"source": f.source_id, "file": f.locator, "stage": f.stage, "reason": f.reason} for f in self.failures],
                 "skipped": [{"source": f.source_id, "file": f.locator, "reason": f.reason}
-                            for s in self.stages for f in s.skipped]}
+                            for s in self.stages for f in s.skipped],
+                "sources": next((s.notes.get("sources", {}) for s in self.stages if s.stage == "extract"), {})}
 
 
 def _no_progress(stage: str) -> Progress:

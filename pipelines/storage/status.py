@@ -6,7 +6,7 @@ import psycopg
 from psycopg.rows import dict_row
 
 SOURCES = """
-SELECT s.source_id, s.kind, s.location, s.allowed_groups, s.declared_in, s.last_crawled_at,
+SELECT s.source_id, s.kind, s.location, s.allowed_groups, s.declared_in, s.last_crawled_at, s.last_crawl,
        (SELECT count(*) FROM documents d WHERE d.source_id = s.source_id AND d.deleted_at IS NULL) AS documents,
        (SELECT count(*) FROM documents d WHERE d.source_id = s.source_id AND d.deleted_at IS NOT NULL) AS deleted,
        (SELECT count(*) FROM chunks c JOIN documents d USING (document_id)
@@ -16,6 +16,17 @@ SELECT s.source_id, s.kind, s.location, s.allowed_groups, s.declared_in, s.last_
           AND d.deleted_at IS NULL) AS stale
 FROM sources s WHERE s.removed_at IS NULL ORDER BY s.source_id
 """
+
+
+def crawl_line(crawl: dict) -> str:
+    """A crawl of one source in words (extract's summary, pipelines/ingest/extract.py): `10000 listed, 100 fetched,
+    9900 unchanged (9900 not read: ETag), 0 failed, 0 deleted`. Local files are read, remote ones fetched."""
+    if crawl.get("blind"):
+        return "saw nothing: the source could not be read (see failing), and nothing was deleted"
+    read = "read" if crawl["kind"] in ("folder", "jsonl") else "fetched"
+    unread = f" ({crawl['unread']} not read: {crawl['unread_by']})" if crawl["unread"] else ""
+    return (f"{crawl['listed']} listed, {crawl['read']} {read}, {crawl['unchanged']} unchanged{unread},"
+            f" {crawl['failed']} failed, {crawl['deleted']} deleted")
 
 
 def knowledge_base_status(conn: psycopg.Connection) -> dict:
