@@ -416,6 +416,8 @@ def _readers(groups) -> str:
               help="Read as a member of this group (repeatable); without it, public sources only.")
 @click.option("--as-of", "as_of", type=AS_OF,
               help="Answer from the knowledge base as it was at this time (UTC unless an offset is given).")
+@click.option("--where", "where", multiple=True, metavar="COLUMN=VALUE",
+              help="Only documents whose metadata holds this (a table source's metadata columns); repeatable.")
 @click.option("--diversity", default=0.0, type=FRACTION, help="MMR diversity over the candidates (0: off).")
 @click.option("--freshness", default=0.0, type=click.FloatRange(0, None), help="Boost for recent documents (0: off).")
 @click.option("--no-rerank", is_flag=True, help="Skip the configured reranker (KB_RERANK).")
@@ -424,8 +426,8 @@ def _readers(groups) -> str:
 @click.option("--debug", is_flag=True, help="Explain the ranking: the query's class, weight and why; each result's rank,"
                                             " score and RRF share in each arm, and the query terms it holds.")
 @click.option("--json", "as_json", is_flag=True)
-def search(query, k, source_id, arm, mode, lexical_weight, k_overfetch, groups, as_of, diversity, freshness, no_rerank,
-           no_exact_first, debug, as_json) -> None:
+def search(query, k, source_id, arm, mode, lexical_weight, k_overfetch, groups, as_of, where, diversity, freshness,
+           no_rerank, no_exact_first, debug, as_json) -> None:
     """Hybrid search: dense vectors + BM25, fused with weighted Reciprocal Rank Fusion."""
     from pipelines.retrieval.responses import (
         NEAR_TIE_LEGEND,
@@ -434,11 +436,14 @@ def search(query, k, source_id, arm, mode, lexical_weight, k_overfetch, groups, 
         run_search,
         shown_scores,
     )
-    from pipelines.retrieval.search import Filters
+    from pipelines.retrieval.search import Filters, metadata_filter
     from pipelines.storage.database import connect
 
     settings = load_settings()
-    filters = Filters(source_id=source_id, groups=list(groups), as_of=as_of)
+    try:
+        filters = Filters(source_id=source_id, groups=list(groups), as_of=as_of, metadata=metadata_filter(where))
+    except ValueError as exc:
+        raise click.BadParameter(str(exc), param_hint="--where") from None
     with connect(settings) as conn:
         if note := _check_readers(conn, source_id, groups, as_of):
             click.echo(note, err=True)

@@ -4,6 +4,7 @@ guard, and the password never comes from, or goes into, kb's declarations."""
 
 from __future__ import annotations
 
+import json
 import uuid
 from urllib.parse import quote
 
@@ -73,6 +74,30 @@ def test_rows_are_documents_and_a_refresh_fetches_only_the_rows_that_changed(set
     assert (changed["documents_fetched"], changed["documents_deleted"]) == (3, 1)  # 2, 3 and 4; 3's text is the same
     assert any("Reinstall" in c for _, c in hits(conn, embedder, "VPN drops client", groups=["support"]))
     assert not any(d == "1" for d, _ in hits(conn, embedder, "okapi printer jams", groups=["support"]))
+
+
+def test_metadata_columns_filter_search_from_the_cli_and_the_api(settings, conn, embedder, support_db, tmp_path):
+    from fastapi.testclient import TestClient
+
+    from pipelines.serving.access import create_key
+    from pipelines.serving.api import create_app
+
+    url, db = support_db
+    declare(tmp_path, url)
+    ingest()
+    everything = hits(conn, embedder, "problem", groups=["support"])
+    assert {d for d, _ in everything} == {"1", "2", "3"}
+    assert {d for d, _ in hits(conn, embedder, "problem", groups=["support"], metadata={"product": "network"})} == {"2"}
+    found = json.loads(kb("search", "problem", "--group", "support", "--where", "product=network", "--json"))
+    assert {c["document"] for c in found["chunks"]} == {"2"}
+    assert "expected column=value" in kb("search", "problem", "--where", "product", expect=2)
+    _, token = create_key(conn, "helpdesk", ["support"], "tests")
+    with TestClient(create_app(settings)) as client:
+        answer = client.get("/v1/knowledge/search", params={"q": "problem", "where": ["product=printers"]},
+                            headers={"Authorization": f"Bearer {token}"})
+        refused = client.get("/v1/knowledge/search", params={"q": "problem", "where": ["=x"]})
+    assert answer.status_code == 200 and {c["document"] for c in answer.json()["chunks"]} == {"1"}, answer.text
+    assert refused.status_code == 422 and "expected column=value" in refused.text
 
 
 def test_a_table_that_cannot_be_read_deletes_nothing(settings, conn, embedder, support_db, tmp_path):

@@ -11,6 +11,7 @@ documents it cannot read.
 from __future__ import annotations
 
 import dataclasses
+import json
 import re
 from dataclasses import asdict, dataclass, field
 from datetime import date, datetime, timezone
@@ -64,6 +65,7 @@ class Filters:
     date_from: date | None = None
     date_to: date | None = None
     entities: dict | None = None  # JSONB containment, e.g. {"codes": ["AVX-039"]}
+    metadata: dict | None = None  # the document's metadata holds these (a table source's metadata columns)
     groups: list[str] = field(default_factory=list)  # the caller's groups: restricted sources need one of them
     as_of: datetime | None = None
     cards: str = "exclude"  # Q&A cards: "exclude" (chunks only), "only" (cards only) or "include" (both)
@@ -78,7 +80,7 @@ class Filters:
         (Sources, and so access groups and source filters, are applied before pruning; as-of reads prune over the
         postings of chunks valid at that time.)"""
         return self.cards == "only" or any(getattr(self, name) is not None
-                                           for name in ("doc_format", "date_from", "date_to", "entities"))
+                                           for name in ("doc_format", "date_from", "date_to", "entities", "metadata"))
 
     def predicate(self) -> tuple[sql.Composable, dict]:
         """The chunk filter both arms apply; what the caller may read is filled in from `Readable.params()`."""
@@ -93,6 +95,7 @@ class Filters:
             "date_from": "d.doc_date >= %(date_from)s",
             "date_to": "d.doc_date <= %(date_to)s",
             "entities": "c.entities @> %(entities)s",
+            "metadata": "d.metadata @> %(metadata)s",
         }
         for name, clause in optional.items():
             value = getattr(self, name)
@@ -100,6 +103,23 @@ class Filters:
                 parts.append(sql.SQL(clause))
                 params[name] = value
         return sql.SQL(" AND ").join(parts), params
+
+
+def metadata_filter(pairs: list[str] | tuple[str, ...] | None) -> dict | None:
+    """`column=value` pairs (`kb search --where`, the API's `where`) as the metadata a document must hold. A value
+    that reads as JSON is that value (`priority=2` matches the number 2, `open=true` a boolean), else it is text."""
+    if not pairs:
+        return None
+    wanted = {}
+    for pair in pairs:
+        column, equals, value = pair.partition("=")
+        if not equals or not column.strip():
+            raise ValueError(f"where {pair!r}: expected column=value, such as product=network")
+        try:
+            wanted[column.strip()] = json.loads(value)
+        except ValueError:
+            wanted[column.strip()] = value
+    return wanted
 
 
 @dataclass

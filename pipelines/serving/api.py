@@ -41,12 +41,13 @@ from pipelines.retrieval.responses import (
     serving_problem,
 )
 from pipelines.retrieval.readable import readable
-from pipelines.retrieval.search import Filters
+from pipelines.retrieval.search import Filters, metadata_filter
 from pipelines.serving.access import AccessDenied, ApiKey, authenticate, caller_groups
 from pipelines.serving.bounds import (
     MAX_CITATIONS_PER_CLAIM,
     MAX_CLAIM_CHARS,
     MAX_CLAIMS,
+    MAX_FILTERS,
     MAX_GROUPS,
     MAX_K,
     MAX_NAME_CHARS,
@@ -280,12 +281,18 @@ def create_app(settings: Settings | None = None, require_key: bool = False, limi
                                    description="Comma-separated: read as only these of the key's groups."),
         diversity: float = Query(0.0, ge=0, le=1, description="MMR diversity over the candidates (0: off)."),
         freshness: float = Query(0.0, ge=0, le=10, description="Boost for recent documents (0: off)."),
+        where: list[str] = Query([], max_length=MAX_FILTERS, description="column=value, repeatable: only documents"
+                                 " whose metadata holds it (a table source's metadata columns)."),
     ) -> dict:
-        _text(q), _text(source_id), _text(groups)
+        _text(q), _text(source_id), _text(groups), [_text(pair) for pair in where]
         requested = None if groups is None else [g.strip() for g in groups.split(",") if g.strip()]
+        try:
+            metadata = metadata_filter(where)
+        except ValueError as exc:
+            raise HTTPException(status_code=422, detail=str(exc)) from None
 
         def work(conn: psycopg.Connection, key: ApiKey | None) -> dict:
-            filters = Filters(source_id=source_id, groups=groups_for(key, requested), as_of=as_of)
+            filters = Filters(source_id=source_id, groups=groups_for(key, requested), as_of=as_of, metadata=metadata)
             readable_or_404(conn, filters)
             return run_search(conn, settings, q, k, arm=arm, lexical_weight=lexical_weight, filters=filters,
                               debug=debug, mode=mode, diversity=diversity, freshness=freshness, exact_first=exact_first)

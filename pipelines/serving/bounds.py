@@ -40,6 +40,7 @@ MAX_CITATIONS_PER_CLAIM = 100
 MAX_RETRIEVED = 1_000
 MAX_GROUPS = 100
 MAX_NAME_CHARS = 200  # a source id or a group name
+MAX_FILTERS = 20  # metadata filters (where=column=value) of one search
 
 T = TypeVar("T")
 log = logging.getLogger(__name__)
