@@ -24,6 +24,7 @@ class Limits:
     web_max_pages: int = 10_000  # pages one crawl of a web source fetches at most; past it, it deletes nothing
     web_max_depth: int = 10  # links from the start URL a crawl without a sitemap follows
     web_timeout_s: float = 30.0  # per request to a web source
+    web_max_s: float = 3600.0  # one crawl of a web source requests no page after this; past it, it deletes nothing
 
 
 @dataclass(frozen=True)
@@ -161,6 +162,7 @@ def _load(env) -> Settings:
             web_max_pages=int(env.get("KB_WEB_MAX_PAGES", Limits.web_max_pages)),
             web_max_depth=int(env.get("KB_WEB_MAX_DEPTH", Limits.web_max_depth)),
             web_timeout_s=float(env.get("KB_WEB_TIMEOUT_S", Limits.web_timeout_s)),
+            web_max_s=float(env.get("KB_WEB_MAX_S", Limits.web_max_s)),
         ),
         model_cache_dir=Path(env["KB_MODEL_CACHE"]).expanduser().resolve() if env.get("KB_MODEL_CACHE") else None,
     )

@@ -4,6 +4,7 @@ changes, a huge page, a slow page, and a crawl by links when there is no sitemap
 
 from __future__ import annotations
 
+import itertools
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
@@ -11,6 +12,9 @@ import pytest
 
 from cli_runs import ingest, kb
 from pipelines.retrieval.search import Filters, search
+from pipelines.sources.web import Scope
+from pipelines.sources.web import Site as WebSite
+from pipelines.sources.web import crawl
 
 
 class Site:
@@ -165,3 +169,25 @@ def test_web_declarations_refuse_credentials(settings):
     refused = kb("source", "add", "w", "https://user:secret@intranet.example.com/", "--public", expect=2)
     assert "holds no credentials" in refused and "secret" not in refused
     assert "for web sources" in kb("source", "add", "p", ".", "--public", "--private-network", expect=2)
+
+
+def test_a_crawl_past_its_time_budget_requests_no_more_pages_and_deletes_nothing(settings, conn, embedder, site,
+                                                                                 monkeypatch):
+    site.page("/docs/", "Start", "The start page.", links=["a.html", "b.html", "c.html"])
+    for name in "abc":
+        site.page(f"/docs/{name}.html", name.upper(), f"Page {name} talks about okapi stew.")
+    ticks = itertools.count(0, 60)  # the clock each time it is read: a minute later than the last reading
+    with WebSite(Scope.of(f"{site.base}/docs/", False), 1e6, 5) as web:
+        pages = list(crawl(web, {}, lambda locator: None, 100, 10, max_s=150, clock=lambda: next(ticks)))
+    assert [locator for locator, _ in pages[:2]] == ["index.html", "a.html"] and pages[2][1] is None
+    assert "stopped after 2 pages: the refresh's 150 s (KB_WEB_MAX_S) ran out" == pages[2][0] and len(pages) == 3
+
+    kb("source", "add", "docs", f"{site.base}/docs/", "--public")
+    assert ingest()["documents_new"] == 4
+    del site.pages["/docs/c.html"]
+    monkeypatch.setenv("KB_WEB_MAX_S", "0")
+    before = len(site.log)
+    stopped = ingest(expect=3)
+    assert "KB_WEB_MAX_S" in stopped["errors"][0]["reason"] and stopped["documents_deleted"] == 0
+    assert not [p for p in site.requested(before) if p.startswith("/docs/")], "no page requested past the budget"
+    assert any("Page c" in c for _, c in texts(conn, embedder, "okapi stew")), "a stopped crawl deleted nothing"

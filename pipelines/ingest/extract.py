@@ -392,7 +392,7 @@ def _record_found(locator: str, record: dict, version_tag: str | None = None) ->
 def walk_web(crawl: Crawl, known: Known, progress: Progress = NO_PROGRESS, conn: psycopg.Connection | None = None,
              ) -> Iterator[Found]:
     """Yield the pages of a web source (pipelines/sources/web.py): a 304 is an unchanged page, any other failure is
-    that page's; a crawl stopped by its page limit, or that could not read robots.txt, deletes nothing."""
+    that page's; a crawl stopped by its page or time limit, or that could not read robots.txt, deletes nothing."""
     source, limits = crawl.source, crawl.limits
     scope = Scope.of(source.location, source.private_network)
 
@@ -403,7 +403,7 @@ def walk_web(crawl: Crawl, known: Known, progress: Progress = NO_PROGRESS, conn:
 
     with Site(scope, limits.max_file_mb * 1e6, limits.web_timeout_s) as site:
         pages = web_crawl(site, {loc: known[loc][3] for loc in known}, stored, limits.web_max_pages,
-                          limits.web_max_depth)
+                          limits.web_max_depth, limits.web_max_s)
         for locator, page in pages:
             progress.advance()
             if page is None:  # the crawl stopped early: it cannot tell what is gone

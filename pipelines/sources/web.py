@@ -17,8 +17,10 @@ from __future__ import annotations
 
 import ipaddress
 import json
+import math
 import re
 import socket
+import time
 import xml.etree.ElementTree as ElementTree
 from collections import deque
 from dataclasses import dataclass, field, replace
@@ -280,10 +282,13 @@ def links_of(page: Page) -> tuple[list[str], str | None]:
 
 
 def crawl(site: Site, known_tags: dict[str, str | None], stored: Callable[[str], bytes | None], max_pages: int,
-          max_depth: int) -> Iterator[tuple[str, Page | PageError | None]]:
+          max_depth: int, max_s: float = math.inf,
+          clock: Callable[[], float] = time.monotonic) -> Iterator[tuple[str, Page | PageError | None]]:
     """(locator, page or why it failed) for every page in scope: the sitemap's, else those reached by links from the
     start URL (at most `max_depth` links away); an unchanged page's links are read from its `stored` body. Yields
-    (reason, None) once and stops when `max_pages` is reached: the crawl is then incomplete."""
+    (reason, None) once and stops when `max_pages` is reached or `max_s` seconds of `clock` have passed before a
+    page is requested: the crawl is then incomplete."""
+    deadline = clock() + max_s
     rules = site.robots()
     listed = site.sitemap_urls(rules)
     queue = deque((url, 0) for url in dict.fromkeys(resolved(url) for url in [site.scope.start, *listed]))
@@ -298,6 +303,9 @@ def crawl(site: Site, known_tags: dict[str, str | None], stored: Callable[[str],
         seen.add(locator)
         if visited >= max_pages:
             yield f"stopped after {max_pages} pages (KB_WEB_MAX_PAGES)", None
+            return
+        if clock() >= deadline:
+            yield f"stopped after {visited} pages: the refresh's {max_s:g} s (KB_WEB_MAX_S) ran out", None
             return
         visited += 1
         try:
