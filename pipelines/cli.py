@@ -455,7 +455,7 @@ def search(query, k, source_id, arm, mode, lexical_weight, k_overfetch, groups, 
             raise UserError(str(exc)) from exc
     scores = shown_scores([c["score"] for c in data["chunks"]])
     text = "\n\n".join(
-        f"{i}. [{scores[i - 1]}] {c['source']}:{_shown(c['document'])}"
+        f"{i}. [{scores[i - 1]}] {c['source']}:{_shown(c['document'])}" + (f" p. {c['page']}" if c["page"] else "")
         + (f" > {_shown(' > '.join(c['section_path']))}" if c["section_path"] else "")
         + (f"\n   Q: {_snippet(c['question'])}" if c["kind"] == "card" else "")
         + (f"\n   {_shown(_explained(c))}" if debug else "")

@@ -1,4 +1,5 @@
-"""The chunk stage: stored elements -> chunk_drafts, cut by the chunker (pipelines/ingest/chunker.py).
+"""The chunk stage: stored elements -> chunk_drafts, cleaned (pipelines/ingest/clean.py) and cut by the chunker
+(pipelines/ingest/chunker.py).
 
 Drafts are the next version of a document's chunks, invisible to search until `publish` swaps them in.
 """
@@ -12,6 +13,7 @@ from typing import Iterator
 import psycopg
 
 from pipelines.ingest.chunker import CHUNKER_VERSION, ChunkDraft, Chunker
+from pipelines.ingest.clean import clean, normalise
 from pipelines.ingest.elements import load_elements
 from pipelines.ingest.enrich import ENRICH_VERSION
 from pipelines.ingest.failures import Failure, record_failure
@@ -33,7 +35,7 @@ def publish_key(content_hash: str) -> str:
 
 # Parsed documents whose live chunks are not from this content + chunker + enricher, and with no draft yet.
 TO_CHUNK = """
-SELECT d.document_id, d.content_hash, d.title, d.source_id, d.locator
+SELECT d.document_id, d.content_hash, d.title, d.source_id, d.locator, d.doc_format
 FROM documents d
 WHERE d.deleted_at IS NULL AND d.parsed_hash = d.content_hash
   AND d.published_key IS DISTINCT FROM d.content_hash || '/' || %(chunker)s || '/' || %(enricher)s
@@ -67,7 +69,7 @@ def chunk_pending(conn: psycopg.Connection, counter: TokenCounter, source_ids: l
     def tasks() -> Iterator[tuple[str, tuple]]:
         for n, batch in enumerate(batches):
             elements = load_elements(conn, [row[0] for row in batch])
-            yield f"chunk batch {n}", (counter, [(elements[row[0]], row[2]) for row in batch])
+            yield f"chunk batch {n}", (counter, [(elements[row[0]], row[2], row[5]) for row in batch])
 
     spread = _spread_to(workers, len(batches))
     if spread:
@@ -83,7 +85,7 @@ def chunk_pending(conn: psycopg.Connection, counter: TokenCounter, source_ids: l
         if isinstance(drafted, Lost):
             drafted = [drafted] * len(batch)
         rows, failed = [], []
-        for (doc_id, content_hash, _, source_id, locator), drafts in zip(batch, drafted):
+        for (doc_id, content_hash, _, source_id, locator, _), drafts in zip(batch, drafted):
             reason = _refused(drafts, limits.max_chunks_per_document)
             if reason:
                 failed.append((Failure(source_id, locator, "chunk", f"{locator}: {reason}"), content_hash))
@@ -121,7 +123,8 @@ def _chunk_task(task: tuple) -> list[list[ChunkDraft]]:
     not as this machine's paths, and is built once per process (see pipelines/models/tokens.py)."""
     counter, documents = task
     chunker = Chunker(counter)
-    return [chunker.chunk(elements, title) for elements, title in documents]
+    return [chunker.chunk(clean(elements, doc_format), title and normalise(title))
+            for elements, title, doc_format in documents]
 
 
 def _refused(drafts: list[ChunkDraft] | Lost, max_chunks: int) -> str | None:

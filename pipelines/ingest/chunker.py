@@ -23,7 +23,8 @@ from pipelines.ingest.enrich import PREFIX_MAX_TOKENS, context_title, embed_pref
 from pipelines.ingest.sentences import split_sentences
 from pipelines.models.tokens import TokenCounter
 
-CHUNKER_VERSION = "chunker-2"  # 2: oversized text cut between tokens, titles bounded (context_title)
+# 2: oversized text cut between tokens, titles bounded (context_title); 3: elements cleaned first (clean.py)
+CHUNKER_VERSION = "chunker-3"
 OVERLAP_MAX_SENTENCES = 2
 OVERLAP_MAX_FRACTION = 0.25  # overlap never takes more than this share of a chunk's budget
 

@@ -23,6 +23,18 @@ class Element:
     text_as_html: str | None = None
 
 
+def with_section_paths(elements: list[Element]) -> list[Element]:
+    """Each element under the path of the titles above it (a title's own path ends with itself): a title at depth d
+    closes the titles at depth d or deeper."""
+    headings: list[tuple[int, str]] = []  # (depth, text), outermost first
+    for element in elements:
+        if element.category == "Title":
+            depth = element.depth or 0
+            headings = [h for h in headings if h[0] < depth] + [(depth, element.text)]
+        element.section_path = [h[1] for h in headings]
+    return elements
+
+
 TITLE_MAX_CHARS = 150  # titles are repeated in every chunk's embedded text: keep them short
 
 

@@ -39,7 +39,7 @@ from typing import Iterator
 import psycopg
 
 from pipelines.ingest.decoding import NotText, decode_text
-from pipelines.ingest.elements import Element, ParsedDocument, without_nul, write_elements
+from pipelines.ingest.elements import Element, ParsedDocument, with_section_paths, without_nul, write_elements
 from pipelines.ingest.failures import Failure, clear_failures, record_failure
 from pipelines.ingest.file_metadata import file_metadata
 from pipelines.ingest.report import NO_PROGRESS, Progress, StageReport
@@ -161,25 +161,19 @@ def plain_text_elements(text: str) -> list[Element]:
 def to_elements(raw: list) -> list[Element]:
     """Keep the text-bearing elements and give each the heading path it sits under."""
     elements: list[Element] = []
-    headings: list[tuple[int, str]] = []  # (depth, text), outermost first
     for item in raw:
         text = without_nul(item.text or "").strip()
         if not text or item.category in SKIPPED_CATEGORIES:
             continue
         meta = item.metadata
-        depth = None
-        if item.category == "Title":
-            depth = meta.category_depth or 0
-            headings = [h for h in headings if h[0] < depth] + [(depth, text)]
         elements.append(Element(
             category=item.category,
             text=text,
-            depth=depth,
+            depth=(meta.category_depth or 0) if item.category == "Title" else None,
             page_number=meta.page_number,
-            section_path=[h[1] for h in headings],
             text_as_html=getattr(meta, "text_as_html", None) if item.category == "Table" else None,
         ))
-    return elements
+    return with_section_paths(elements)
 
 
 def check_expansion(data: bytes, doc_format: str, limit_mb: float) -> None:

@@ -21,6 +21,7 @@ import psycopg
 from psycopg import sql
 
 from pipelines.ingest.cards import CARD_KIND as CARD
+from pipelines.ingest.clean import normalise
 from pipelines.models.embedders import Embedder
 from pipelines.retrieval.query_class import QueryClass, classify
 from pipelines.retrieval.readable import DOCUMENTS as READABLE_DOCUMENTS
@@ -146,6 +147,7 @@ class Hit:
     kind: str = "text"  # text, table, or card (a Q&A card: content is its answer)
     question: str | None = None  # a card's question
     source_chunk_id: int | None = None  # a card's source chunk: what citations point at
+    page: int | None = None  # the page the chunk starts on (PDFs and other paged formats)
     highlights: list[tuple[int, int]] = field(default_factory=list)  # character spans of matched words in content
 
     EXPLANATION = ("dense_rank", "dense_score", "lexical_rank", "lexical_score", "dense_rrf", "lexical_rrf",
@@ -217,6 +219,7 @@ def search_explained(conn: psycopg.Connection, embedder: Embedder, query: str, k
         raise ValueError(f"mode must be one of {', '.join(MODES)}")
     if lexical_weight is not None and not 0 <= lexical_weight <= 1:
         raise ValueError("lexical_weight must be between 0 and 1")
+    query = normalise(query)  # as the chunks were (pipelines/ingest/clean.py): "ﬁle" finds "file"
     filters = dataclasses.replace(filters or Filters(), cards=MODES[mode])
     visible = readable(conn, filters.groups, filters.source_id, filters.as_of)
     query_class = classify(conn, query, visible.keys, {"dense": 0.0, "lexical": 1.0}.get(arm, lexical_weight),

@@ -81,6 +81,7 @@ class Chunk(BaseModel):
     kind: str = Field("text", description="text, table, or card (a Q&A card: content is its answer).")
     question: str | None = Field(None, description="A card's question.")
     source_chunk_id: int | None = Field(None, description="A card's source chunk: what citations point at.")
+    page: int | None = Field(None, description="The page the chunk starts on (PDFs), for citing it as `file.pdf p. 16`.")
     dense_rank: int | None = Field(None, description="Rank in the dense arm (debug).")
     dense_score: float | None = Field(None, description="Cosine similarity to the query (debug).")
     lexical_rank: int | None = Field(None, description="Rank in the lexical (BM25) arm (debug).")

@@ -164,7 +164,7 @@ SELECT f.chunk_id, d.source_id, d.locator, d.title, c.section_path, c.text, c.en
        f.dense_rrf, f.lexical_rrf,
        ARRAY(SELECT ts.term FROM term_sources ts JOIN lexical_postings_any p ON p.chunk_id = f.chunk_id
              AND p.term_key = ts.term_key ORDER BY ts.term) AS matched_terms,
-       ARRAY[]::text[] AS exact, false AS tie_broken, c.kind, c.question, c.source_chunk_id
+       ARRAY[]::text[] AS exact, false AS tie_broken, c.kind, c.question, c.source_chunk_id, c.page_number
 FROM fused f
 JOIN chunks c ON c.chunk_id = f.chunk_id
 JOIN documents d ON d.document_id = c.document_id
