@@ -418,6 +418,8 @@ def _readers(groups) -> str:
               help="Answer from the knowledge base as it was at this time (UTC unless an offset is given).")
 @click.option("--where", "where", multiple=True, metavar="COLUMN=VALUE",
               help="Only documents whose metadata holds this (a table source's metadata columns); repeatable.")
+@click.option("--duplicates", is_flag=True,
+              help="Also show a chunk whose text a better result already shows (else listed as its copy).")
 @click.option("--diversity", default=0.0, type=FRACTION, help="MMR diversity over the candidates (0: off).")
 @click.option("--freshness", default=0.0, type=click.FloatRange(0, None), help="Boost for recent documents (0: off).")
 @click.option("--no-rerank", is_flag=True, help="Skip the configured reranker (KB_RERANK).")
@@ -426,8 +428,8 @@ def _readers(groups) -> str:
 @click.option("--debug", is_flag=True, help="Explain the ranking: the query's class, weight and why; each result's rank,"
                                             " score and RRF share in each arm, and the query terms it holds.")
 @click.option("--json", "as_json", is_flag=True)
-def search(query, k, source_id, arm, mode, lexical_weight, k_overfetch, groups, as_of, where, diversity, freshness,
-           no_rerank, no_exact_first, debug, as_json) -> None:
+def search(query, k, source_id, arm, mode, lexical_weight, k_overfetch, groups, as_of, where, duplicates, diversity,
+           freshness, no_rerank, no_exact_first, debug, as_json) -> None:
     """Hybrid search: dense vectors + BM25, fused with weighted Reciprocal Rank Fusion."""
     from pipelines.retrieval.responses import (
         NEAR_TIE_LEGEND,
@@ -441,7 +443,8 @@ def search(query, k, source_id, arm, mode, lexical_weight, k_overfetch, groups, 
 
     settings = load_settings()
     try:
-        filters = Filters(source_id=source_id, groups=list(groups), as_of=as_of, metadata=metadata_filter(where))
+        filters = Filters(source_id=source_id, groups=list(groups), as_of=as_of, metadata=metadata_filter(where),
+                          duplicates=duplicates)
     except ValueError as exc:
         raise click.BadParameter(str(exc), param_hint="--where") from None
     with connect(settings) as conn:
@@ -458,6 +461,7 @@ def search(query, k, source_id, arm, mode, lexical_weight, k_overfetch, groups, 
         f"{i}. [{scores[i - 1]}] {c['source']}:{_shown(c['document'])}" + (f" p. {c['page']}" if c["page"] else "")
         + (f" > {_shown(' > '.join(c['section_path']))}" if c["section_path"] else "")
         + (f"\n   Q: {_snippet(c['question'])}" if c["kind"] == "card" else "")
+        + (f"\n   also in: {_shown(', '.join(c['copies']))}" if c["copies"] else "")
         + (f"\n   {_shown(_explained(c))}" if debug else "")
         + f"\n   {_snippet(c['content'])}" for i, c in enumerate(data["chunks"], 1)) or (
         f"no results: {data['note']}" if data.get("note") else "no results")

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from cli_runs import ingest, kb
+from pipelines.answers.answer import _contexts
 from pipelines.ingest.clean import clean, normalise, rejoin_broken_words
 from pipelines.ingest.elements import Element
 from pipelines.retrieval.search import Filters, search
@@ -86,6 +87,8 @@ def test_a_real_manual_comes_out_clean_and_results_name_their_page(manual, conn,
     assert hits and hits[0].page is not None and hits[0].document == "libtasn1.pdf"
     shown = kb("search", "asn1Parser reads the ASN.1 definitions file", "--k", "1")
     assert re.search(r"manuals:libtasn1\.pdf p\. \d+ > ", shown), shown
+    context = _contexts(conn, hits)[0]
+    assert context.label() == f"[manuals:libtasn1.pdf p. {hits[0].page}, {' > '.join(hits[0].section_path)}]"
 
 
 def test_a_ligature_in_a_document_or_a_query_is_the_letters_it_stands_for(settings, conn, embedder, tmp_path):
@@ -98,3 +101,20 @@ def test_a_ligature_in_a_document_or_a_query_is_the_letters_it_stands_for(settin
     for query in ("IDL file", "file", "\ufb01le"):
         found = search(conn, embedder, query, 3, arm="lexical", filters=Filters())
         assert found and "IDL file" in found[0].content, query
+
+
+def test_a_text_in_several_documents_fills_one_place_in_the_results(settings, conn, embedder, tmp_path):
+    folder = tmp_path / "docs"
+    (folder / "copy").mkdir(parents=True)
+    policy = "# Okapi care\n\nFeed the okapi twice a day, with leaves from the north paddock.\n"
+    (folder / "okapi.md").write_text(policy)
+    (folder / "copy" / "okapi.md").write_text(policy)  # the same document under two paths
+    (folder / "zebra.md").write_text("# Zebra care\n\nBrush the zebra every morning; never feed it okapi leaves.\n")
+    kb("source", "add", "docs", str(folder), "--public")
+    ingest()
+    hits = search(conn, embedder, "how often to feed the okapi", 3, filters=Filters())
+    assert [h.document for h in hits].count("okapi.md") + [h.document for h in hits].count("copy/okapi.md") == 1
+    assert hits[0].copies == ["docs:copy/okapi.md"] or hits[0].copies == ["docs:okapi.md"]
+    assert "also in: docs:" in kb("search", "how often to feed the okapi", "--k", "3")
+    every = search(conn, embedder, "how often to feed the okapi", 3, filters=Filters(duplicates=True))
+    assert {h.document for h in every} == {"okapi.md", "copy/okapi.md", "zebra.md"}

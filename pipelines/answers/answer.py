@@ -64,13 +64,15 @@ class Context:
     section: str
     text: str
     similarity: float | None  # the hit's cosine to the query
+    page: int | None = None  # the page the chunk starts on (PDFs)
     via_card: str | None = None  # the card's question, when a card found this context
     card_answer: str | None = None  # that card's answer
     coverage: float = 0.0  # its lexical evidence: the share of the question's rare vocabulary it holds
     sentences: list[str] = field(default_factory=list, repr=False)  # the sentences that may answer
 
     def label(self) -> str:
-        return f"[{self.document}, {self.section}]" if self.section else f"[{self.document}]"
+        where = f"{self.document} p. {self.page}" if self.page else self.document
+        return f"[{where}, {self.section}]" if self.section else f"[{where}]"
 
 
 def answer_question(conn: psycopg.Connection, settings: Settings, question: str, k: int = 5, *, mode: str = "qa_first",
@@ -196,7 +198,7 @@ def without_labels(text: str) -> str:
 
 def _abstain(result: dict, contexts: list[Context], reason: str) -> dict:
     result.update(abstained=True, reason=reason, answer=f"The answer was {NOT_FOUND}.", sentences=[],
-                  closest_sources=[{"document": c.document, "section": c.section, "chunk_id": c.chunk_id,
+                  closest_sources=[{"document": c.document, "page": c.page, "section": c.section, "chunk_id": c.chunk_id,
                                     "similarity": c.similarity} for c in contexts[:3]])
     result.setdefault("removed", [])
     return result
@@ -213,7 +215,7 @@ def _contexts(conn: psycopg.Connection, hits: list) -> list[Context]:
             text = sources.get(chunk_id, hit.content)
             card = hit.source_chunk_id is not None
             contexts[chunk_id] = Context(len(contexts) + 1, chunk_id, f"{hit.source}:{hit.document}",
-                                         " > ".join(hit.section_path), text, hit.dense_score,
+                                         " > ".join(hit.section_path), text, hit.dense_score, hit.page,
                                          hit.question if card else None, hit.content if card else None)
     return list(contexts.values())
 

@@ -70,6 +70,7 @@ class Filters:
     groups: list[str] = field(default_factory=list)  # the caller's groups: restricted sources need one of them
     as_of: datetime | None = None
     cards: str = "exclude"  # Q&A cards: "exclude" (chunks only), "only" (cards only) or "include" (both)
+    duplicates: bool = False  # also a chunk whose text a better-ranked result already shows (else listed as its copy)
 
     def __post_init__(self) -> None:
         if self.as_of is not None and self.as_of.tzinfo is None:  # a time without a zone is UTC, for every caller
@@ -148,6 +149,7 @@ class Hit:
     question: str | None = None  # a card's question
     source_chunk_id: int | None = None  # a card's source chunk: what citations point at
     page: int | None = None  # the page the chunk starts on (PDFs and other paged formats)
+    copies: list[str] = field(default_factory=list)  # other documents (source:path) holding this text, not shown
     highlights: list[tuple[int, int]] = field(default_factory=list)  # character spans of matched words in content
 
     EXPLANATION = ("dense_rank", "dense_score", "lexical_rank", "lexical_score", "dense_rrf", "lexical_rrf",
@@ -247,9 +249,27 @@ def search_explained(conn: psycopg.Connection, embedder: Embedder, query: str, k
     hits = [Hit(*row) for row in rows]
     if arm == "hybrid":
         hits = arrange(hits, query_class, exact_first)
+    if not filters.duplicates:
+        hits = distinct(hits)
     if mode == "qa_first":
         hits = _cards_first(hits, k)
     return query_class, hits[:k]
+
+
+def distinct(hits: list[Hit]) -> list[Hit]:
+    """The hits without the repeats of a text a better-ranked hit shows (a disclaimer on every document, a site's
+    footer, one file under two paths), whatever its case and spacing: each repeat's document is listed in that
+    hit's `copies`, so boilerplate never fills a result list and the copies stay findable."""
+    kept: list[Hit] = []
+    first: dict[str, Hit] = {}
+    for hit in hits:
+        text = " ".join(hit.content.lower().split())
+        if text in first:
+            first[text].copies.append(f"{hit.source}:{hit.document}")
+        else:
+            first[text] = hit
+            kept.append(hit)
+    return kept
 
 
 def _cards_first(hits: list[Hit], k: int) -> list[Hit]:

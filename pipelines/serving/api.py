@@ -82,6 +82,8 @@ class Chunk(BaseModel):
     question: str | None = Field(None, description="A card's question.")
     source_chunk_id: int | None = Field(None, description="A card's source chunk: what citations point at.")
     page: int | None = Field(None, description="The page the chunk starts on (PDFs), for citing it as `file.pdf p. 16`.")
+    copies: list[str] = Field([], description="Other documents (source:path) holding the same text, not listed"
+                                              " (duplicates=true lists them as results).")
     dense_rank: int | None = Field(None, description="Rank in the dense arm (debug).")
     dense_score: float | None = Field(None, description="Cosine similarity to the query (debug).")
     lexical_rank: int | None = Field(None, description="Rank in the lexical (BM25) arm (debug).")
@@ -284,6 +286,7 @@ def create_app(settings: Settings | None = None, require_key: bool = False, limi
         freshness: float = Query(0.0, ge=0, le=10, description="Boost for recent documents (0: off)."),
         where: list[str] = Query([], max_length=MAX_FILTERS, description="column=value, repeatable: only documents"
                                  " whose metadata holds it (a table source's metadata columns)."),
+        duplicates: bool = Query(False, description="Also list a chunk whose text a better result already shows."),
     ) -> dict:
         _text(q), _text(source_id), _text(groups), [_text(pair) for pair in where]
         requested = None if groups is None else [g.strip() for g in groups.split(",") if g.strip()]
@@ -293,7 +296,8 @@ def create_app(settings: Settings | None = None, require_key: bool = False, limi
             raise HTTPException(status_code=422, detail=str(exc)) from None
 
         def work(conn: psycopg.Connection, key: ApiKey | None) -> dict:
-            filters = Filters(source_id=source_id, groups=groups_for(key, requested), as_of=as_of, metadata=metadata)
+            filters = Filters(source_id=source_id, groups=groups_for(key, requested), as_of=as_of, metadata=metadata,
+                              duplicates=duplicates)
             readable_or_404(conn, filters)
             return run_search(conn, settings, q, k, arm=arm, lexical_weight=lexical_weight, filters=filters,
                               debug=debug, mode=mode, diversity=diversity, freshness=freshness, exact_first=exact_first)
