@@ -118,3 +118,32 @@ def test_a_text_in_several_documents_fills_one_place_in_the_results(settings, co
     assert "also in: docs:" in kb("search", "how often to feed the okapi", "--k", "3")
     every = search(conn, embedder, "how often to feed the okapi", 3, filters=Filters(duplicates=True))
     assert {h.document for h in every} == {"okapi.md", "copy/okapi.md", "zebra.md"}
+
+
+def test_a_lead_in_sentence_stays_with_what_it_introduces():
+    from pipelines.ingest.chunker import Chunker
+    from pipelines.models.tokens import local_counter
+
+    filler = " ".join(f"Sentence {n} says something about okapi habitats and their seasonal leaves." for n in range(24))
+    code = "\n".join(f"markov_basis(ring, generators[{n}], options)" for n in range(12))
+    for lead_in in ("Let us compute the Markov basis via the call", "The call is as follows:"):
+        elements = [Element("Title", "Markov bases", depth=0), Element("NarrativeText", filler),
+                    Element("NarrativeText", lead_in), Element("NarrativeText", code)]
+        chunks = Chunker(local_counter()).chunk(elements, "Manual")
+        assert len(chunks) > 1
+        holding = [c.text for c in chunks if lead_in in c.text]
+        assert holding and all("markov_basis(ring" in text for text in holding), [c.text[-120:] for c in chunks]
+
+
+def test_a_heading_number_set_apart_by_the_parser_is_part_of_its_heading_again():
+    elements = [Element("Title", "Dense Passage Retrieval", depth=0, page_number=1),
+                Element("NarrativeText", "We show that retrieval can be dense.", page_number=1),
+                Element("UncategorizedText", "1", page_number=1), Element("Title", "Introduction", depth=0, page_number=1),
+                Element("NarrativeText", "Open-domain question answering is a task.", page_number=1),
+                Element("UncategorizedText", "4.2", page_number=1),
+                Element("Title", "Question Answering Datasets", depth=1, page_number=1),
+                Element("NarrativeText", "We use five datasets.", page_number=1)]
+    cleaned = clean(elements, "pdf")
+    assert [e.text for e in cleaned if e.category == "Title"] == [
+        "Dense Passage Retrieval", "1 Introduction", "4.2 Question Answering Datasets"]
+    assert not any(e.text in ("1", "4.2") for e in cleaned)

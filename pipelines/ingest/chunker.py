@@ -23,7 +23,8 @@ from pipelines.ingest.enrich import PREFIX_MAX_TOKENS, context_title, embed_pref
 from pipelines.ingest.sentences import split_sentences
 from pipelines.models.tokens import TokenCounter
 
-# 2: oversized text cut between tokens, titles bounded (context_title); 3: elements cleaned first (clean.py)
+# 2: oversized text cut between tokens, titles bounded (context_title); 3: elements cleaned first (clean.py), and
+# a lead-in sentence kept with the paragraph it introduces
 CHUNKER_VERSION = "chunker-3"
 OVERLAP_MAX_SENTENCES = 2
 OVERLAP_MAX_FRACTION = 0.25  # overlap never takes more than this share of a chunk's budget
@@ -206,16 +207,20 @@ class Chunker:
             paragraph_tokens[sentence.paragraph] = paragraph_tokens.get(sentence.paragraph, 0) + sentence.tokens + 1
         for index, sentence in enumerate(sentences):
             if current and fresh and _tokens(current) + sentence.tokens + 1 > budget:
+                # A lead-in ("... via the call:") goes with what it introduces, not at the end of this chunk.
+                carried = [current.pop()] if (fresh > 1 and _leads_in(current[-1], sentence)
+                                              and current[-1].tokens + sentence.tokens + 2 <= budget) else []
                 chunks.append(self._draft(current, path))
-                current = _overlap(current, budget)
+                current = _overlap(current, budget) + carried
                 while current and _tokens(current) + sentence.tokens + 1 > budget:
                     current.pop(0)
-                fresh = 0
+                fresh = 1 if carried and current and current[-1] is carried[0] else 0
             current.append(sentence)
             fresh += 1
             # Prefer paragraph ends: close a well-filled chunk when the next paragraph would not fit whole.
             nxt = sentences[index + 1] if index + 1 < len(sentences) else None
-            if nxt is not None and nxt.paragraph != sentence.paragraph and _tokens(current) >= budget // 2:
+            if (nxt is not None and nxt.paragraph != sentence.paragraph and _tokens(current) >= budget // 2
+                    and not _leads_in(sentence, nxt)):
                 if _tokens(current) + paragraph_tokens[nxt.paragraph] > budget:
                     chunks.append(self._draft(current, path))
                     current, fresh = _overlap(current, budget), 0
@@ -229,6 +234,13 @@ class Chunker:
             parts.append(" ".join(s.text for s in group))
         text = "\n\n".join(parts)
         return ChunkDraft("text", text, path, sentences[0].page, self.counter.count([text])[0])
+
+
+def _leads_in(sentence: _Sentence, following: _Sentence) -> bool:
+    """Whether a sentence introduces the paragraph that follows it: it ends its own paragraph with a colon, or with
+    no sentence punctuation at all ("Let us compute the Markov basis via the call" before the call)."""
+    text = sentence.text.rstrip()
+    return following.paragraph != sentence.paragraph and (text.endswith(":") or not text.endswith((".", "!", "?")))
 
 
 def _tokens(sentences: list[_Sentence]) -> int:

@@ -77,10 +77,28 @@ def clean(elements: list[Element], doc_format: str) -> list[Element]:
     cleaned = [replace(e, text=normalise(e.text), section_path=[normalise(p) for p in e.section_path]) for e in elements]
     if doc_format != "pdf":
         return cleaned
+    cleaned = join_split_numbers(cleaned)
     cleaned = drop_page_furniture(cleaned)
     cleaned = rejoin_across_pages(cleaned)
     cleaned = rejoin_broken_words(cleaned)
     return demote_false_headings(cleaned)
+
+
+SECTION_NUMBER = re.compile(r"(?:\d{1,2}|[A-Z])(?:\.\d{1,2})*\.?")
+
+
+def join_split_numbers(elements: list[Element]) -> list[Element]:
+    """A heading whose number the parser set apart ("1", then the title "Introduction") is one heading again,
+    "1 Introduction", before a bare number at a page's top could be taken for a page number."""
+    out: list[Element] = []
+    for element in elements:
+        previous = out[-1] if out else None
+        if (previous is not None and element.category == "Title" and previous.category != "Title"
+                and previous.page_number == element.page_number and SECTION_NUMBER.fullmatch(previous.text.strip())):
+            out[-1] = replace(element, text=f"{previous.text.strip()} {element.text}")
+            continue
+        out.append(element)
+    return out
 
 
 def _edges(elements: list[Element]) -> set[int]:
