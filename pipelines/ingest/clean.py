@@ -59,14 +59,18 @@ def normalise(text: str) -> str:
     return unicodedata.normalize("NFC", text.translate(_table()))
 
 
-PAGE_NUMBER = re.compile(r"(?:page\s+)?(?:\d{1,4}|[ivxlcdm]{1,7})(?:\s*(?:of|/)\s*\d{1,4})?|[-–—]\s*\d{1,4}\s*[-–—]",
+ROMAN = r"(?=[ivxlcdm])m{0,3}(?:cm|cd|d?c{0,3})(?:xc|xl|l?x{0,3})(?:ix|iv|v?i{0,3})"  # a real numeral: not "civil"
+PAGE_NUMBER = re.compile(rf"(?:page\s+)?(?:\d{{1,4}}|{ROMAN})(?:\s*(?:of|/)\s*\d{{1,4}})?|[-–—]\s*\d{{1,4}}\s*[-–—]",
                          re.IGNORECASE)
 EDGE = 2  # elements at each end of a page where running lines and page numbers sit
 RUNNING_MIN_PAGES = 3  # a line at the edges of this many pages (and of a quarter of them) is a running header
 SENTENCE_END = (".", "!", "?", ":", ";")
 FUNCTION_WORDS = {"and", "or", "nor", "to", "und", "oder", "et", "ou"}  # "pre- and post-processing" keeps its hyphen
 BROKEN = re.compile(r"(\w+)-(?:[ \t]*\n\s*|[ \t]+)(\w+)")
-NUMBERED = re.compile(r"(?i:chapter|section|part|appendix)\s+\S|\d+(?:\.\d+)*\.?\s+\S|[A-Z](?:\.\d+)+\.?\s+\S")
+# "2.1 ASN.1 syntax", "A.1 GNU ...", "Chapter 3": a section's number, then a word that does not start in lower case
+# (not "2019 revenue grew", not "10 tips"); at most two digits a level.
+NUMBERED = re.compile(r"(?:(?i:chapter|section|part|appendix)\s+\S|\d{1,2}(?:\.\d{1,2})*\.?\s+(?![a-z])\S"
+                      r"|[A-Z](?:\.\d{1,2})+\.?\s+(?![a-z])\S)")
 CODE = re.compile(r"[{}()\[\]<>=;|$\\]|::")
 LEADERS = re.compile(r"\.{4,}|(?:\. ){4,}")  # a table of contents' or an index's line: "Introduction ...... 3"
 
