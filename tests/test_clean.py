@@ -142,8 +142,10 @@ def test_a_heading_number_set_apart_by_the_parser_is_part_of_its_heading_again()
                 Element("NarrativeText", "Open-domain question answering is a task.", page_number=1),
                 Element("UncategorizedText", "4.2", page_number=1),
                 Element("Title", "Question Answering Datasets", depth=1, page_number=1),
-                Element("NarrativeText", "We use five datasets.", page_number=1)]
+                Element("NarrativeText", "We use five datasets.", page_number=1),
+                Element("UncategorizedText", "4", page_number=1), Element("Title", "CARD32", depth=2, page_number=1)]
     cleaned = clean(elements, "pdf")
-    assert [e.text for e in cleaned if e.category == "Title"] == [
+    assert [e.text for e in cleaned if e.category == "Title"][:3] == [
         "Dense Passage Retrieval", "1 Introduction", "4.2 Question Answering Datasets"]
     assert not any(e.text in ("1", "4.2") for e in cleaned)
+    assert [e.text for e in cleaned[-2:]] == ["4", "CARD32"], "a count before a type is not a heading's number"
