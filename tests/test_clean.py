@@ -148,4 +148,4 @@ def test_a_heading_number_set_apart_by_the_parser_is_part_of_its_heading_again()
     assert [e.text for e in cleaned if e.category == "Title"][:3] == [
         "Dense Passage Retrieval", "1 Introduction", "4.2 Question Answering Datasets"]
     assert not any(e.text in ("1", "4.2") for e in cleaned)
-    assert [e.text for e in cleaned[-2:]] == ["4", "CARD32"], "a count before a type is not a heading's number"
+    assert "4 CARD32" not in [e.text for e in cleaned], "a count before a type is not a heading's number"
