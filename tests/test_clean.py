@@ -23,7 +23,9 @@ def test_text_is_normalised_where_meaning_is_kept():
     assert normalise("the IDL \ufb01le and the \ufb02ow of e\ufb03cient o\ufb00ers") == \
         "the IDL file and the flow of efficient offers"
     assert normalise("10\u00a0kg, \uff21\uff22\uff23-\uff11\uff12, co\u00adoperate, zero\u200bwidth") == \
-        "10 kg, ABC-12, cooperate, zerowidth"
+        "10 kg, ABC-12, cooperate, zero\u200bwidth"  # a zero-width space separates Thai and Khmer words
+    thai, korean, aleph = "\u0e19\u0e49\u0e33", "\u3131. \u3134.", "\u2135\u2080"
+    assert (normalise(thai), normalise(korean), normalise(aleph)) == (thai, korean, aleph), "their own spelling"
     assert normalise("x\u00b2 + \u00bd, caf\u0065\u0301, na\u00efve \u00b4") == "x\u00b2 + \u00bd, caf\u00e9, na\u00efve \u00b4"
 
 
@@ -33,19 +35,25 @@ def test_words_broken_at_line_ends_are_rejoined_by_the_documents_own_vocabulary(
 
     assert rejoined("The inter-\nfaces and the dec- larations.") == ["The interfaces and the declarations."]
     assert rejoined("A well-\nknown rule.", "It is well-known.") == ["A well-known rule.", "It is well-known."]
-    assert rejoined("Both pre- and post-processing.", "See RFC- 5280 and OP- TIONAL.") == [
-        "Both pre- and post-processing.", "See RFC- 5280 and OPTIONAL."]
+    assert rejoined("Both pre- and post-processing.", "See RFC- 5280 and OP- TIONAL.", "OPTIONAL fields.") == [
+        "Both pre- and post-processing.", "See RFC- 5280 and OPTIONAL.", "OPTIONAL fields."]
+    assert rejoined("Our state-of-the-\nart model is end-to-\nend.", "It is state-of-the-art.") == [
+        "Our state-of-the-art model is end-to-end.", "It is state-of-the-art."]
+    assert rejoined("A 5-\nyear plan, steps 1-\n3, a NON-\nEXCLUSIVE licence, Windows-\nbased, land- en tuinbouw.") == [
+        "A 5-year plan, steps 1-3, a NON-EXCLUSIVE licence, Windows-based, land- en tuinbouw."]
+    untouched = "Write to jane@my-\ncompany.com, see https://example.com/very-long-\npath or --no-\ncache-dir."
+    assert rejoined(untouched) == [untouched]
 
 
 def test_page_numbers_running_headers_and_false_headings_leave_a_pdf():
     words = ["okapi", "zebra", "lemur", "tapir", "quokka"]
     elements = [Element("Title", "Libtasn1", depth=0, page_number=1)]
     for page, word in enumerate(words, 1):
-        elements += [Element("UncategorizedText", f"Libtasn1 Reference Manual {page}", page_number=page),
-                     Element("NarrativeText", f"{word} facts come first.", page_number=page),
+        elements += [Element("UncategorizedText", f"Libtasn1 Reference Manual {page}", page_number=page)] * (page > 1)
+        elements += [Element("NarrativeText", f"{word} facts come first.", page_number=page),
                      Element("NarrativeText", f"The {word} section goes on without", page_number=page),
                      Element("UncategorizedText", str(page + 10), page_number=page)]
-    elements[2:2] = [Element("Title", "2.1 ASN.1 syntax", depth=1, page_number=1),
+    elements[1:1] = [Element("Title", "2.1 ASN.1 syntax", depth=1, page_number=1),
                      Element("Title", "Version ::= INTEGER", depth=2, page_number=1),
                      Element("NarrativeText", "The longest name is an iden-", page_number=1),
                      Element("Title", "tifier.", depth=2, page_number=1)]
@@ -75,7 +83,7 @@ def test_a_real_manual_comes_out_clean_and_results_name_their_page(manual, conn,
                           " AND kind <> 'card'").fetchall()
     assert len(chunks) > 20
     text = "\n".join(t for t, _, _ in chunks)
-    assert not re.findall(r"[a-z]- [a-z]", text), re.findall(r"\w+- \w+", text)[:10]
+    assert not re.findall(r"\b[a-z]+- [a-z]+", text), re.findall(r"\w+- \w+", text)[:10]
     assert "manipulation" in text and "identifier" in text and "manip-" not in text
     paths = {p for _, path, _ in chunks for p in path}
     assert {"2.1 ASN.1 syntax", "3.1 Invoking asn1Parser", "4.3 DER functions"} <= paths
@@ -114,7 +122,7 @@ def test_a_text_in_several_documents_fills_one_place_in_the_results(settings, co
     ingest()
     hits = search(conn, embedder, "how often to feed the okapi", 3, filters=Filters())
     assert [h.document for h in hits].count("okapi.md") + [h.document for h in hits].count("copy/okapi.md") == 1
-    assert hits[0].copies == ["docs:copy/okapi.md"] or hits[0].copies == ["docs:okapi.md"]
+    assert [c.split(" > ")[0] for c in hits[0].copies] in (["docs:copy/okapi.md"], ["docs:okapi.md"])
     assert "also in: docs:" in kb("search", "how often to feed the okapi", "--k", "3")
     every = search(conn, embedder, "how often to feed the okapi", 3, filters=Filters(duplicates=True))
     assert {h.document for h in every} == {"okapi.md", "copy/okapi.md", "zebra.md"}
@@ -149,3 +157,34 @@ def test_a_heading_number_set_apart_by_the_parser_is_part_of_its_heading_again()
         "Dense Passage Retrieval", "1 Introduction", "4.2 Question Answering Datasets"]
     assert not any(e.text in ("1", "4.2") for e in cleaned)
     assert "4 CARD32" not in [e.text for e in cleaned], "a count before a type is not a heading's number"
+
+
+def test_headings_that_read_as_headings_stay_in_numbered_and_unnumbered_documents():
+    def titles(*texts: str) -> list[str]:
+        elements = [e for t in texts for e in (Element("Title", t, depth=1, page_number=1),
+                                                Element("NarrativeText", "Body.", page_number=1))]
+        return [e.text for e in clean([Element("Title", "Doc", depth=0, page_number=1), *elements], "pdf")
+                if e.category == "Title"][1:]
+
+    paper = ["Abstract", "1 Introduction", "2 Method", "3 pH control", "3.1 mRNA stability", "Acknowledgements",
+             "References", "BEGIN", "CARD32", "InstanceName Asn1Definition", "2.2 Late delivery incurs a penalty."]
+    assert titles(*paper) == paper[:7]
+    regulation = ["CHAPTER I General provisions", "Article 1 Subject-matter", "Article 2 Material scope", "§ 5 Fees"]
+    assert titles(*regulation) == regulation
+    faq = ["How do I reset my password?", "Key Performance Indicators (KPIs)", "iPhone setup", "where", "decl",
+           "Version ::= INTEGER", "Let us compute the Markov basis via the call:"]
+    assert titles(*faq) == faq[:3]
+
+
+def test_a_page_break_joins_a_paragraph_but_never_a_heading_a_list_item_or_code_lines():
+    elements = [Element("Title", "2 Install", depth=0, page_number=3),
+                Element("NarrativeText", "Download it from https://example.com/download", page_number=3),
+                Element("Title", "iOS configuration", depth=0, page_number=4),
+                Element("NarrativeText", "for x in items:\n    process(x)", page_number=4),
+                Element("NarrativeText", "if done:\n    cleanup()", page_number=5),
+                Element("ListItem", "(i) the Licensor; or", page_number=5),
+                Element("ListItem", "ii) the Licensee", page_number=6)]
+    cleaned = clean(elements, "pdf")
+    assert [e.text for e in cleaned] == ["2 Install", "Download it from https://example.com/download",
+                                         "iOS configuration", "for x in items:\n    process(x)\nif done:\n    cleanup()",
+                                         "(i) the Licensor; or", "ii) the Licensee"]

@@ -14,6 +14,7 @@ The budget is counted with the embedding model's tokenizer, on the text that is 
 
 from __future__ import annotations
 
+import unicodedata
 from dataclasses import dataclass, field
 from html.parser import HTMLParser
 from itertools import groupby
@@ -25,7 +26,8 @@ from pipelines.models.tokens import TokenCounter
 
 # 2: oversized text cut between tokens, titles bounded (context_title); 3: elements cleaned first (clean.py), and
 # a lead-in sentence kept with the paragraph it introduces
-CHUNKER_VERSION = "chunker-3"
+# The Unicode version is part of it: another Python's unicodedata may normalise text (and queries) otherwise.
+CHUNKER_VERSION = f"chunker-3+unicode-{unicodedata.unidata_version}"
 OVERLAP_MAX_SENTENCES = 2
 OVERLAP_MAX_FRACTION = 0.25  # overlap never takes more than this share of a chunk's budget
 
@@ -239,8 +241,11 @@ class Chunker:
 def _leads_in(sentence: _Sentence, following: _Sentence) -> bool:
     """Whether a sentence introduces the paragraph that follows it: it ends its own paragraph with a colon, or with
     no sentence punctuation at all ("Let us compute the Markov basis via the call" before the call)."""
-    text = sentence.text.rstrip()
-    return following.paragraph != sentence.paragraph and (text.endswith(":") or not text.endswith((".", "!", "?")))
+    text = sentence.text.rstrip().rstrip("\"'”’»)]")
+    return following.paragraph != sentence.paragraph and (text.endswith(":") or not text.endswith(SENTENCE_ENDS))
+
+
+SENTENCE_ENDS = (".", "!", "?", "。", "！", "？", "।", "؟", "…")
 
 
 def _tokens(sentences: list[_Sentence]) -> int:

@@ -149,7 +149,7 @@ class Hit:
     question: str | None = None  # a card's question
     source_chunk_id: int | None = None  # a card's source chunk: what citations point at
     page: int | None = None  # the page the chunk starts on (PDFs and other paged formats)
-    copies: list[str] = field(default_factory=list)  # other documents (source:path) holding this text, not shown
+    copies: list[str] = field(default_factory=list)  # other places (source:path p. N > section) of this text, not shown
     highlights: list[tuple[int, int]] = field(default_factory=list)  # character spans of matched words in content
 
     EXPLANATION = ("dense_rank", "dense_score", "lexical_rank", "lexical_score", "dense_rrf", "lexical_rrf",
@@ -257,15 +257,18 @@ def search_explained(conn: psycopg.Connection, embedder: Embedder, query: str, k
 
 
 def distinct(hits: list[Hit]) -> list[Hit]:
-    """The hits without the repeats of a text a better-ranked hit shows (a disclaimer on every document, a site's
-    footer, one file under two paths), whatever its case and spacing: each repeat's document is listed in that
-    hit's `copies`, so boilerplate never fills a result list and the copies stay findable."""
+    """The hits without the repeats of a text a better-ranked hit of the same kind shows (a disclaimer on every
+    document, a site's footer, one file under two paths), whatever its spacing: each repeat is listed in that hit's
+    `copies` (document, page and section), so boilerplate never fills a result list and the copies stay findable.
+    A card and the chunk it was made from are not copies of each other. The candidates are the over-fetched ones:
+    a list that copies thin out can hold fewer than k."""
     kept: list[Hit] = []
-    first: dict[str, Hit] = {}
+    first: dict[tuple[str, str], Hit] = {}
     for hit in hits:
-        text = " ".join(hit.content.lower().split())
+        text = (hit.kind, " ".join(hit.content.split()))
         if text in first:
-            first[text].copies.append(f"{hit.source}:{hit.document}")
+            first[text].copies.append(f"{hit.source}:{hit.document}" + (f" p. {hit.page}" if hit.page else "")
+                                      + (f" > {' > '.join(hit.section_path)}" if hit.section_path else ""))
         else:
             first[text] = hit
             kept.append(hit)
