@@ -157,6 +157,13 @@ def test_a_heading_number_set_apart_by_the_parser_is_part_of_its_heading_again()
         "Dense Passage Retrieval", "1 Introduction", "4.2 Question Answering Datasets"]
     assert not any(e.text in ("1", "4.2") for e in cleaned)
     assert "4 CARD32" not in [e.text for e in cleaned], "a count before a type is not a heading's number"
+    birds = [Element("NarrativeText", "Field notes.", page_number=1)]
+    for page, animal in enumerate(["Birds", "Mammals", "Reptiles"], 2):
+        birds += [Element("UncategorizedText", "Field guide", page_number=page),
+                  Element("UncategorizedText", str(page), page_number=page),
+                  Element("Title", animal, depth=0, page_number=page),
+                  Element("NarrativeText", f"All about {animal.lower()}.", page_number=page)]
+    assert [e.text for e in clean(birds, "pdf") if e.category == "Title"] == ["Birds", "Mammals", "Reptiles"]
 
 
 def test_headings_that_read_as_headings_stay_in_numbered_and_unnumbered_documents():

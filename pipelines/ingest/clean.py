@@ -108,14 +108,15 @@ SECTION_NUMBER = re.compile(r"(?:\d{1,2}|[A-Z])(?:\.\d{1,2})*\.?")
 def join_split_numbers(elements: list[Element]) -> list[Element]:
     """A heading whose number the parser set apart ("1", then the title "Introduction") is one heading again,
     "1 Introduction", before a bare number at a page's top could be taken for a page number. Not a count before a
-    type in a table the parser read as lines ("4", then "CARD32"), nor a page's first element (its number)."""
+    type in a table the parser read as lines ("4", then "CARD32"), nor a number among the first elements of its page
+    (where the page's own number sits, after a running header perhaps)."""
     out: list[Element] = []
     for element in elements:
         previous = out[-1] if out else None
         if (previous is not None and element.category == "Title" and previous.category != "Title"
                 and previous.page_number == element.page_number and SECTION_NUMBER.fullmatch(previous.text.strip())
                 and looks_like_heading(element.text, False) and not re.search(r"\d", element.text.split()[0])
-                and len(out) > 1 and out[-2].page_number == previous.page_number):
+                and len(out) > EDGE and all(e.page_number == previous.page_number for e in out[-EDGE - 1:])):
             out[-1] = replace(element, text=f"{previous.text.strip()} {element.text}")
             continue
         out.append(element)
