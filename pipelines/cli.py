@@ -487,11 +487,23 @@ def _explained(chunk: dict) -> str:
     return "; ".join(parts)
 
 
+def _page_ranges(pages: list[int]) -> str:
+    """[1, 2, 3, 7, 9, 10] -> "1-3, 7, 9-10": the pages a version changed."""
+    runs: list[list[int]] = []
+    for page in pages:
+        if runs and page == runs[-1][-1] + 1:
+            runs[-1].append(page)
+        else:
+            runs.append([page])
+    return ", ".join(f"{run[0]}-{run[-1]}" if len(run) > 1 else str(run[0]) for run in runs)
+
+
 @main.command()
 @click.argument("document")
 @click.option("--json", "as_json", is_flag=True)
 def history(document, as_json) -> None:
-    """A document's versions (DOCUMENT is `path` or `source:path`): when, content hash, chunks added/closed/kept."""
+    """A document's versions (DOCUMENT is `path` or `source:path`): when, content hash, chunks added/closed/kept, and
+    the pages they are on."""
     from pipelines.storage.database import connect
     from pipelines.storage.history import document_history
 
@@ -501,7 +513,8 @@ def history(document, as_json) -> None:
         raise UserError(f"no document {document!r} in any source: give it as `kb search` shows it, SOURCE:PATH"
                         " (such as handbook:leave-policy.md); `kb status` lists the sources")
     text = "\n".join(f"v{v['version']} {_when(v['recorded_at'])} {v['event']:<9} {v['content_hash'] or '-'}"
-                     f"  +{v['chunks_added']} -{v['chunks_closed']} ={v['chunks_kept']}" for v in versions)
+                     f"  +{v['chunks_added']} -{v['chunks_closed']} ={v['chunks_kept']}"
+                     + (f"  p. {_page_ranges(v['pages'])}" if v["pages"] else "") for v in versions)
     _emit(versions, as_json, text)
 
 

@@ -95,6 +95,7 @@ def test_a_real_manual_comes_out_clean_and_results_name_their_page(manual, conn,
     assert hits and hits[0].page is not None and hits[0].document == "libtasn1.pdf"
     shown = kb("search", "asn1Parser reads the ASN.1 definitions file", "--k", "1")
     assert re.search(r"manuals:libtasn1\.pdf p\. \d+ > ", shown), shown
+    assert re.search(r"^v1 .* \+\d+ -0 =0  p\. 1, 3-36$", kb("history", "manuals:libtasn1.pdf"), re.M)
     context = _contexts(conn, hits)[0]
     assert context.label() == f"[manuals:libtasn1.pdf p. {hits[0].page}, {' > '.join(hits[0].section_path)}]"
 

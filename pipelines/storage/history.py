@@ -6,8 +6,13 @@ import psycopg
 from psycopg import sql
 from psycopg.rows import dict_row
 
+# pages: where the version's added and closed chunks start (a publish writes its version and its chunks in one
+# transaction, so both carry its now()); empty for formats without pages and for purged history.
 HISTORY = """
-SELECT v.version, v.event, v.recorded_at, v.content_hash, v.chunks_added, v.chunks_closed, v.chunks_kept
+SELECT v.version, v.event, v.recorded_at, v.content_hash, v.chunks_added, v.chunks_closed, v.chunks_kept,
+       ARRAY(SELECT DISTINCT c.page_number FROM chunks c
+             WHERE c.document_id = v.document_id AND c.page_number IS NOT NULL
+               AND (c.valid_from = v.recorded_at OR c.valid_to = v.recorded_at) ORDER BY 1) AS pages
 FROM document_versions v JOIN documents d USING (document_id)
 WHERE d.locator = %(locator)s AND (%(source)s::text IS NULL OR d.source_id = %(source)s)
 ORDER BY d.source_id, v.version
