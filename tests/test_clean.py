@@ -36,11 +36,13 @@ def test_words_broken_at_line_ends_are_rejoined_by_the_documents_own_vocabulary(
     assert rejoined("The inter-\nfaces and the dec- larations.") == ["The interfaces and the declarations."]
     assert rejoined("A well-\nknown rule.", "It is well-known.") == ["A well-known rule.", "It is well-known."]
     assert rejoined("Both pre- and post-processing.", "See RFC- 5280 and OP- TIONAL.", "OPTIONAL fields.") == [
-        "Both pre- and post-processing.", "See RFC- 5280 and OPTIONAL.", "OPTIONAL fields."]
+        "Both pre- and post-processing.", "See RFC-5280 and OPTIONAL.", "OPTIONAL fields."]
+    assert rejoined("A dual- encoder, Windows-\nbased, Gard- ner.", "Our dual-encoder is Windows-based.") == [
+        "A dual-encoder, Windows-based, Gardner.", "Our dual-encoder is Windows-based."]
     assert rejoined("Our state-of-the-\nart model is end-to-\nend.", "It is state-of-the-art.") == [
         "Our state-of-the-art model is end-to-end.", "It is state-of-the-art."]
-    assert rejoined("A 5-\nyear plan, steps 1-\n3, a NON-\nEXCLUSIVE licence, Windows-\nbased, land- en tuinbouw.") == [
-        "A 5-year plan, steps 1-3, a NON-EXCLUSIVE licence, Windows-based, land- en tuinbouw."]
+    assert rejoined("A 5-\nyear plan, steps 1-\n3, a NON-\nEXCLUSIVE licence, land- en tuinbouw, state- of-the-art.") == [
+        "A 5-year plan, steps 1-3, a NON-EXCLUSIVE licence, land- en tuinbouw, state-of-the-art."]
     untouched = "Write to jane@my-\ncompany.com, see https://example.com/very-long-\npath or --no-\ncache-dir."
     assert rejoined(untouched) == [untouched]
 

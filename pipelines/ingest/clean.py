@@ -76,9 +76,9 @@ SENTENCE_END = (".", "!", "?", ":", ";")
 # stays before a connecting word.
 FUNCTION_WORDS = {"and", "or", "nor", "to", "through", "vs", "versus", "und", "oder", "bzw", "bis", "en", "of", "et",
                   "ou", "y", "o", "e", "och", "og", "eller", "i", "a"}
-# A hyphenated chain (state-of-the-) broken at its last hyphen, then the rest; never inside a URL, an e-mail
-# address or a command-line option (a part after "/", "@", "." or "-", or before ".word", "@" or "/").
-BROKEN = re.compile(r"(?<![\w/@.-])((?:\w+-)*\w+)-([ \t]*\n\s*|[ \t]+)(\w+)(?![\w@/-]|\.\w)")
+# A hyphenated chain (state-of-the-) broken at a hyphen, then the rest (of-the-art); never inside a URL, an e-mail
+# address or a command-line option (a first part after "/", "@", "." or "-", a second before "@" or ".word").
+BROKEN = re.compile(r"(?<![\w/@.-])((?:\w+-)*\w+)-([ \t]*\n\s*|[ \t]+)(\w+(?:-\w+)*)(?![\w@]|\.\w)")
 # "2.1 ASN.1 syntax", "A.1 GNU ...", "Chapter 3", "Article 12", "§ 5": a section's number, then a word that is not
 # all lower case ("3 pH control" is a heading, "2019 revenue grew" and "10 tips" are not); two digits a level at most.
 NUMBERED = re.compile(r"(?:(?i:chapter|section|part|appendix|annex|article|schedule|clause|kapitel|artikel|"
@@ -176,14 +176,14 @@ def rejoin_across_pages(elements: list[Element]) -> list[Element]:
 
 
 def rejoin_broken_words(elements: list[Element]) -> list[Element]:
-    """Words a line end broke ("inter-\\nfaces", "dec- larations") whole again. The document's own vocabulary
-    decides: the joined word if the document uses it, the hyphenated compound if it uses that (also a chain:
-    "state-of-the-\\nart"). Else a lower-case word broken at a line end is joined (a typesetter breaks words far
-    more often than after a compound's hyphen), and everything else keeps its hyphen: a number's ("5-\\nyear",
-    "1-\\n3"), a capitalised or all-caps part's ("Windows-\\nbased", "NON-\\nEXCLUSIVE"), a chain's
-    ("end-to-\\nend"), one before a connecting word ("pre- and post-", "land- en tuinbouw"). A hyphen and a space
-    inside a line ("manip- ulation") is how PDF text extraction writes a line end, and is read as one. URLs, e-mail
-    addresses and options are left alone (BROKEN)."""
+    """Words a line end broke ("inter-\\nfaces", "dec- larations": PDF text extraction writes a line end inside a
+    line as a space) whole again. The document's own vocabulary decides: the joined word if the document uses it,
+    the hyphenated compound if it uses that ("dual-encoder"). Else a hyphen stays, without the line end, where a
+    compound is likelier: in a chain ("state-of-the-art", "end-to-end"), next to a number ("5-year", "1-3"), before
+    an upper-case part or after an all-caps one ("NON-EXCLUSIVE"); and it stays as it is before a connecting word
+    ("pre- and post-", "land- en tuinbouw"). Otherwise the word is joined ("manipulation", a name "Gardner": a
+    typesetter breaks words far more often than after a compound's hyphen). URLs, e-mail addresses and options are
+    left alone (BROKEN)."""
     words = Counter(word.lower() for e in elements for word in re.findall(r"\w+(?:-\w+)*", e.text))
 
     def join(match: re.Match) -> str:
@@ -192,9 +192,10 @@ def rejoin_broken_words(elements: list[Element]) -> list[Element]:
             return first + second
         if second.lower() in FUNCTION_WORDS:
             return match.group(0)
-        if (words[f"{first}-{second}".lower()] or "-" in first or first[-1].isdigit() or second[0].isdigit()
-                or not (first.islower() and second.islower())):
-            return f"{first}-{second}" if "\n" in gap else match.group(0)
+        hyphenated = f"{first}-{second}"
+        if (words[hyphenated.lower()] or "-" in first + second or first[-1].isdigit() or second[0].isdigit()
+                or not second.islower() or len(first) > 1 and first.isupper()):
+            return hyphenated
         return first + second
 
     return [e if e.category == "Table" else replace(e, text=BROKEN.sub(join, e.text)) for e in elements]
