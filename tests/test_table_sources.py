@@ -136,6 +136,10 @@ def test_a_table_declaration_refuses_a_password_and_incomplete_columns(settings,
     refused = kb("source", "add", "t", with_password, "--public", "--table", "tickets", "--id-column", "ticket_id",
                  "--text-column", "body", expect=2)
     assert "password comes from PGPASSWORD" in refused and "hunter2" not in refused
+    for sneaked in ("?pass%77ord=hunter2", "?sslpassword=hunter2"):
+        refused = kb("source", "add", "t", url + sneaked, "--public", "--table", "tickets", "--id-column",
+                     "ticket_id", "--text-column", "body", expect=2)
+        assert "password comes from PGPASSWORD" in refused and "hunter2" not in refused, sneaked
     no_id = kb("source", "add", "t", url, "--public", "--table", "tickets", "--text-column", "body", expect=2)
     assert "table needs id" in no_id
     injected = kb("source", "add", "t", url, "--public", "--table", "tickets; DROP TABLE x", "--id-column", "ticket_id",
@@ -147,3 +151,17 @@ def test_a_table_declaration_refuses_a_password_and_incomplete_columns(settings,
     twice = kb("source", "add", "t2", url.replace("postgres@", "someone@"), "--public", "--table", "public.tickets",
                "--id-column", "ticket_id", "--text-column", "subject", expect=2)
     assert "is the location of source 't'" in twice
+
+
+def test_a_declared_query_reads_with_percent_signs_and_cannot_write(settings, conn, support_db):
+    url, db = support_db
+    kb("source", "add", "open", url, "--public", "--query",
+       "SELECT * FROM tickets WHERE subject LIKE 'P%' -- printers only", "--id-column", "ticket_id",
+       "--text-column", "body")
+    assert ingest()["documents_new"] == 1
+    kb("source", "add", "evil", url, "--public", "--query",
+       "SELECT 1 AS id, 'x' AS body) AS a; COMMIT; BEGIN READ WRITE; DELETE FROM tickets; COMMIT;"
+       " SELECT 1 AS id, 'x' AS body FROM (SELECT 1", "--id-column", "id", "--text-column", "body")
+    refused = ingest("--source", "evil", expect=3)
+    assert "cannot read" in refused["errors"][0]["reason"]
+    assert db.execute("SELECT count(*) FROM tickets").fetchone()[0] == 3, "a declared query wrote to the table"

@@ -85,8 +85,14 @@ def is_database(location: str) -> bool:
 
 def normalise(url: str) -> str:
     """The declared form of a connection URL, or ValueError: no password (libpq finds it), a database named."""
+    import psycopg
+
     parts = urlsplit(url)
-    if parts.password is not None or re.search(r"(^|&)password=", parts.query):
+    try:
+        given = psycopg.conninfo.conninfo_to_dict(url)
+    except psycopg.ProgrammingError as exc:
+        raise ValueError(f"postgresql://{parts.hostname or ''}/...: not a connection URL libpq reads ({exc})") from None
+    if parts.password is not None or {"password", "sslpassword"} & set(given):  # also pass%77ord=: libpq decodes it
         raise ValueError(f"postgresql://{parts.hostname or ''}/...: the password comes from PGPASSWORD, ~/.pgpass or a"
                          " service file, never from the declaration; remove it from the URL")
     if not parts.path.strip("/"):
@@ -110,7 +116,8 @@ def _relation(spec: TableSpec):
 
     if spec.name is not None:
         return sql.Identifier(*spec.name.split(".", 1))
-    return sql.SQL("({}) AS kb_rows").format(sql.SQL(spec.query))
+    # % is literal in the declared query (LIKE 'o%'); a new line ends a trailing -- comment.
+    return sql.SQL("({}\n) AS kb_rows").format(sql.SQL(spec.query.replace("%", "%%")))
 
 
 def _plain(value):
@@ -175,7 +182,9 @@ class Rows:
         import psycopg
 
         try:
-            return self.conn.execute(query, params).fetchall()
+            # Prepared: the extended protocol runs one statement, so a declared query cannot end the READ ONLY
+            # transaction and write ("...; COMMIT; DELETE FROM ...").
+            return self.conn.execute(query, params or (), prepare=True).fetchall()
         except psycopg.Error as exc:
             raise TableError(f"cannot read {self.shown}: {_first_line(exc)}") from exc
 
