@@ -229,3 +229,6 @@ def test_declarations_of_buckets_refuse_credentials_and_a_missing_bucket_name(se
     assert "credentials and options come from the environment" in leaked
     nobucket = kb("source", "add", "n", "s3:///docs", "--public", expect=2)
     assert "name the bucket" in nobucket
+    for elsewhere in ("local:///etc", "file:///etc", "ftp://10.0.0.1/pub", "memory://x/y"):
+        refused = kb("source", "add", "x", elsewhere, "--public", expect=2)
+        assert "is not a bucket kb reads" in refused, elsewhere

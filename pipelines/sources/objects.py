@@ -1,5 +1,5 @@
-"""Object-store sources: a bucket and prefix (`s3://bucket/prefix`, `gs://...`, `az://...`, any fsspec URL), read
-through fsspec (s3fs ships with kb; gcsfs and adlfs install beside it).
+"""Object-store sources: a bucket and prefix (`s3://bucket/prefix`, `gs://...`, `az://...`; STORES), read through
+fsspec (s3fs ships with kb; gcsfs and adlfs install beside it).
 
 A crawl lists the prefix once (every page of it) and reads no object whose tag is the one stored: the ETag (or the
 provider's hash, generation or version id) changes when the bytes do, so an unchanged object costs no request beyond
@@ -20,8 +20,10 @@ from typing import Any, Iterator
 from urllib.parse import urlsplit
 
 SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://")
-NOT_OBJECT_STORES = {"file", "http", "https", "postgresql", "postgres"}  # a local path; kinds of their own
 SAME_STORE = {"s3a": "s3", "gcs": "gs", "abfs": "az", "abfss": "az"}  # fsspec's other names for one kind of store
+# The object stores kb reads. Any other fsspec protocol is refused: local:// or file:// would be a folder without the
+# folder rules (root identity, links, narrower sources), ftp:// or http:// a network read without the web's checks.
+STORES = {"s3", "s3a", "gs", "gcs", "az", "abfs", "abfss"}
 BACKENDS = {"gs": "gcsfs", "gcs": "gcsfs", "az": "adlfs", "abfs": "adlfs", "abfss": "adlfs"}
 TAG_FIELDS = ("ETag", "etag", "md5Hash", "generation", "VersionId", "version_id")  # what changes when the bytes do
 
@@ -38,9 +40,10 @@ def normalise(url: str) -> str:
     """The declared form of an object-store URL (`scheme://bucket/prefix`, no trailing slash), or ValueError with what
     to write instead."""
     scheme = SCHEME.match(url).group(1).lower()
-    if scheme in NOT_OBJECT_STORES:
-        raise ValueError(f"{url}: a {scheme}:// location is not a bucket; declare a folder path or a .jsonl file, a"
-                         " bucket (s3://bucket/prefix, gs://, az://), a site (https://) or a database (postgresql://)")
+    if scheme not in STORES:  # file://, local://, ftp://, memory://...: not a bucket, and none of the folder rules
+        raise ValueError(f"{url}: a {scheme}:// location is not a bucket kb reads; declare a folder path or a .jsonl"
+                         " file, a bucket (s3://bucket/prefix, gs://, az://), a site (https://) or a database"
+                         " (postgresql://)")
     parts = urlsplit(url)
     if "@" in parts.netloc or parts.query or parts.fragment:
         raise ValueError(f"{scheme}://{parts.hostname or ''}/...: a source URL names a bucket and a prefix only;"
