@@ -191,3 +191,79 @@ def test_a_crawl_past_its_time_budget_requests_no_more_pages_and_deletes_nothing
     assert "KB_WEB_MAX_S" in stopped["errors"][0]["reason"] and stopped["documents_deleted"] == 0
     assert not [p for p in site.requested(before) if p.startswith("/docs/")], "no page requested past the budget"
     assert any("Page c" in c for _, c in texts(conn, embedder, "okapi stew")), "a stopped crawl deleted nothing"
+
+
+@pytest.mark.parametrize("address, private_network, refused", [
+    ("93.184.216.34", False, None),
+    ("100.100.100.200", True, "never contacts"),  # a cloud's metadata service, even on a private network
+    ("fd00:ec2::254", True, "never contacts"),
+    ("2002:a9fe:a9fe::1", False, "never contacts"),  # 169.254.169.254 inside a 6to4 address
+    ("64:ff9b::a9fe:a9fe", False, "never contacts"),  # and inside a NAT64 one
+    ("::ffff:127.0.0.1", False, "never contacts"),  # IPv4-mapped: a reserved range
+    ("100.64.1.1", False, "inside a private network"),  # carrier-grade NAT: not public
+    ("192.0.0.192", False, "inside a private network"),
+    ("10.1.2.3", True, None),
+])
+def test_a_host_is_contacted_only_at_public_addresses_unless_declared_private(monkeypatch, address, private_network,
+                                                                              refused):
+    import socket
+
+    from pipelines.sources.web import WebError
+
+    monkeypatch.setattr(socket, "getaddrinfo", lambda *a, **k: [(None, None, None, "", (address, 443))])
+    scope = Scope.of("https://docs.vendor.example/kb/", private_network)
+    if refused is None:
+        scope.check_address()
+    else:
+        with pytest.raises(WebError, match=refused):
+            scope.check_address()
+
+
+def test_compressed_pages_stop_at_the_limit_and_a_canonical_url_cannot_borrow_another_pages_name(
+        settings, conn, embedder, site, monkeypatch):
+    import gzip
+
+    monkeypatch.setenv("KB_MAX_FILE_MB", "0.05")
+    html = {"Content-Type": "text/html"}
+    site.page("/kb/", "Start", "The start page.", links=["plain.html", "bomb.html", "stacked.html", "a1.html"])
+    site.pages["/kb/plain.html"] = (200, {**html, "Content-Encoding": "gzip"}, gzip.compress(
+        b"<html><head><title>Plain</title></head><body><p>Okapi stew is served on Fridays.</p></body></html>"))
+    site.pages["/kb/bomb.html"] = (200, {**html, "Content-Encoding": "gzip"}, gzip.compress(b"<p>" + b"0" * 50_000_000))
+    site.pages["/kb/stacked.html"] = (200, {**html, "Content-Encoding": "gzip, gzip"},
+                                      gzip.compress(gzip.compress(b"<p>stacked</p>")))
+    site.page("/kb/a1.html", "A1", "Page A1 says the zebra garage is closed.")
+    site.page("/kb/b1.html", "B1", "Page B1 says the zebra garage opens at seven.")
+    site.pages["/kb/a1.html"] = (200, html, site.pages["/kb/a1.html"][2].replace(
+        b"<head>", b'<head><link rel="canonical" href="/kb/b1.html">'))
+    kb("source", "add", "docs", f"{site.base}/kb/", "--public")
+    result = ingest(expect=3)
+    failed = {e["file"]: e["reason"] for e in result["errors"]}
+    assert set(failed) == {"bomb.html", "stacked.html", f"{site.base}/kb/"}, failed  # links behind them unknown
+    assert "no page is deleted by this crawl" in failed[f"{site.base}/kb/"]
+    assert "over the 0.05 MB limit" in failed["bomb.html"] and "is not read" in failed["stacked.html"]
+    found = texts(conn, embedder, "zebra garage")
+    assert ("b1.html", True) in {(d, "opens at seven" in c) for d, c in found}
+    assert not any("is closed" in c for _, c in found), "a page's text stored under another page's name"
+    assert any("Okapi stew" in c for _, c in texts(conn, embedder, "okapi stew Fridays"))
+
+
+def test_a_crawl_that_cannot_see_every_page_deletes_none(settings, conn, embedder, site):
+    site.pages["/robots.txt"] = (200, {"Content-Type": "text/plain"},
+                                 f"Sitemap: {site.base}/index.xml\n".encode())
+    urlset = '<?xml version="1.0"?><urlset xmlns="http://www.sitemaps.org/schemas/sitemap/0.9">{}</urlset>'
+    site.pages["/index.xml"] = (200, {"Content-Type": "application/xml"}, (
+        '<?xml version="1.0"?><sitemapindex xmlns="http://www.sitemaps.org/schemas/sitemap/0.9">'
+        f"<sitemap><loc>{site.base}/a.xml</loc></sitemap><sitemap><loc>{site.base}/b.xml</loc></sitemap>"
+        "</sitemapindex>").encode())
+    for name, pages in (("a", ["a1", "a2"]), ("b", ["b1", "b2"])):
+        site.pages[f"/{name}.xml"] = (200, {"Content-Type": "application/xml"}, urlset.format("".join(
+            f"<url><loc>{site.base}/kb/{p}.html</loc></url>" for p in pages)).encode())
+        for p in pages:
+            site.page(f"/kb/{p}.html", p.upper(), f"Page {p} is about okapi number {p}.")
+    site.page("/kb/", "Start", "The start page.")
+    kb("source", "add", "docs", f"{site.base}/kb/", "--public")
+    assert ingest()["documents_new"] == 5
+    site.pages["/b.xml"] = (503, {}, b"busy")
+    partial = ingest(expect=3)
+    assert "sitemap" in partial["errors"][0]["reason"] and partial["documents_deleted"] == 0
+    assert conn.execute("SELECT count(*) FROM documents WHERE deleted_at IS NULL").fetchone()[0] == 5

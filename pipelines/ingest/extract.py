@@ -41,7 +41,7 @@ from pipelines.sources.files import OutsideSource, RootChanged, host, identity, 
 from pipelines.sources.objects import Reader, address, list_objects
 from pipelines.sources.overlaps import Place, below, mounts_below, place
 from pipelines.sources.tables import Rows
-from pipelines.sources.web import PageError, Scope, Site, page_url
+from pipelines.sources.web import GAP, PageError, Scope, Site, page_url
 from pipelines.sources.web import crawl as web_crawl
 from pipelines.storage import bulk
 from pipelines.storage.locks import LOCK_NAMESPACE
@@ -406,10 +406,12 @@ def walk_web(crawl: Crawl, known: Known, progress: Progress = NO_PROGRESS, conn:
                           limits.web_max_depth, limits.web_max_s)
         for locator, page in pages:
             progress.advance()
-            if page is None:  # the crawl stopped early: it cannot tell what is gone
+            if page is None or page is GAP:  # stopped early, or some pages unknown: it cannot tell what is gone
                 crawl.blind = True
                 crawl.fail(source.location, f"{source.location}: {locator}; no page is deleted by this crawl")
-                break
+                if page is None:
+                    break
+                continue
             if isinstance(page, PageError):
                 crawl.fail(locator, f"{page_url(scope, locator)}: {page}")
                 yield Found(locator, "", 0, None, None, failed=True)
@@ -653,6 +655,9 @@ def _hand_over(conn: psycopg.Connection, crawl: Crawl, folder: str, owned: Owned
         crawl.unseen.append(folder + "/")
 
 
+BATCH_BYTES = 64_000_000  # a batch of fetched pages is written before it holds more (memory, one bytea[] parameter)
+
+
 def crawl_source(conn: psycopg.Connection, source: Source, report: StageReport, limits: Limits,
                  allow_deletions: bool = False, batch_size: int = 500, progress: Progress = NO_PROGRESS,
                  accept_new_root: bool = False, skip_unsupported: bool = True) -> None:
@@ -678,14 +683,16 @@ def crawl_source(conn: psycopg.Connection, source: Source, report: StageReport, 
             walk = {"folder": walk_folder, "objects": walk_objects, "table": walk_table}.get(source.kind)
             found = walk(crawl, known, progress) if walk else read_records(crawl, progress)
         batch: list[Found] = []
+        held = 0  # bytes of the pages the batch holds (a web page's body travels with it to the database)
         for item in found:
             crawl.seen.add(item.locator)
             report.counts["seen"] += 1
             progress.advance()
             batch.append(item)
-            if len(batch) >= batch_size:
+            held += len(item.body or b"")
+            if len(batch) >= batch_size or held >= BATCH_BYTES:
                 _write_batch(conn, crawl, batch, known)
-                batch = []
+                batch, held = [], 0
         if batch:
             _write_batch(conn, crawl, batch, known)
         for folder, owned in sorted(crawl.found.items()):

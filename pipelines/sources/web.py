@@ -22,6 +22,7 @@ import re
 import socket
 import time
 import xml.etree.ElementTree as ElementTree
+import zlib
 from collections import deque
 from dataclasses import dataclass, field, replace
 from html.parser import HTMLParser
@@ -30,6 +31,11 @@ from urllib.parse import urljoin, urlsplit, urlunsplit
 from urllib.robotparser import RobotFileParser
 
 AGENT = "kb"
+# Cloud metadata services, never contacted even on a private network: AWS/GCP/Azure, AWS over IPv6, Alibaba.
+METADATA = {ipaddress.ip_address(a) for a in ("169.254.169.254", "fd00:ec2::254", "100.100.100.200")}
+NAT64 = ipaddress.ip_network("64:ff9b::/96")
+# Special-purpose ranges this Python's `is_global` may still call global (IETF protocol assignments, 192.0.0.0/24).
+NOT_PUBLIC = [ipaddress.ip_network("192.0.0.0/24")]
 MAX_REDIRECTS = 5
 MAX_SITEMAPS = 50
 SITEMAP_BYTES = 50_000_000  # the sitemap protocol's own limit per file
@@ -105,13 +111,25 @@ class Scope:
         except OSError as exc:
             raise WebError(f"cannot resolve {host}: {exc}") from exc
         for info in infos:
-            address = ipaddress.ip_address(info[4][0].split("%")[0])
-            if address.is_link_local or address.is_multicast or address.is_unspecified or address.is_reserved:
-                raise WebError(f"{host} resolves to {address}, an address kb never contacts (link-local, multicast or"
-                               " reserved)")
-            if (address.is_loopback or address.is_private) and named is None and not self.private_network:
-                raise WebError(f"{host} resolves to {address}, inside a private network; if the site really is the"
-                               " company's own, declare it with private_network = true")
+            resolved_to = ipaddress.ip_address(info[4][0].split("%")[0])
+            # An IPv4 address inside an IPv6 one (::ffff:127.0.0.1, 2002:a9fe:a9fe::, 64:ff9b::a9fe:a9fe) is that one.
+            for address in filter(None, (resolved_to, getattr(resolved_to, "ipv4_mapped", None),
+                                         getattr(resolved_to, "sixtofour", None), _nat64(resolved_to))):
+                if (address in METADATA or address.is_link_local or address.is_multicast or address.is_unspecified
+                        or address.is_reserved):
+                    raise WebError(f"{host} resolves to {resolved_to}, an address kb never contacts (a cloud metadata"
+                                   " service, link-local, multicast or reserved)")
+                public = address.is_global and not any(address in network for network in NOT_PUBLIC)
+                if not public and named is None and not self.private_network:
+                    raise WebError(f"{host} resolves to {resolved_to}, inside a private network; if the site really is"
+                                   " the company's own, declare it with private_network = true")
+
+
+def _nat64(address: ipaddress.IPv4Address | ipaddress.IPv6Address) -> ipaddress.IPv4Address | None:
+    """The IPv4 address a NAT64 address (64:ff9b::/96) carries."""
+    if address.version == 6 and address in NAT64:
+        return ipaddress.IPv4Address(int(address) & 0xFFFFFFFF)
+    return None
 
 
 def resolved(url: str) -> str:
@@ -161,9 +179,9 @@ class Site:
     def __init__(self, scope: Scope, limit_bytes: float, timeout_s: float) -> None:
         import httpx
 
-        self.scope, self.limit = scope, limit_bytes
-        self.client = httpx.Client(follow_redirects=False, timeout=timeout_s, headers={"User-Agent": f"{AGENT}/1"},
-                                   trust_env=False)
+        self.scope, self.limit, self.timeout_s = scope, limit_bytes, timeout_s
+        self.client = httpx.Client(follow_redirects=False, timeout=timeout_s, trust_env=False,
+                                   headers={"User-Agent": f"{AGENT}/1", "Accept-Encoding": "gzip, deflate"})
         self.requests = 0
 
     def __enter__(self) -> "Site":
@@ -199,7 +217,8 @@ class Site:
                         return Page(url, 304, tag=tag)
                     if response.status_code != 200:
                         raise PageError(f"HTTP {response.status_code}")
-                    body = self._read(response, self.limit if limit is None else limit)
+                    body = self._read(response, self.limit if limit is None else limit,
+                                      time.monotonic() + self.timeout_s)
                     kind = response.headers.get("content-type", "").split(";")[0].strip().lower()
                     validators = {k: v for k, v in (("etag", response.headers.get("etag")),
                                                     ("last_modified", response.headers.get("last-modified"))) if v}
@@ -209,12 +228,34 @@ class Site:
                 raise PageError(f"{type(exc).__name__}: {exc}") from exc
         raise PageError(f"more than {MAX_REDIRECTS} redirects")
 
-    def _read(self, response, limit: float) -> bytes:
+    def _read(self, response, limit: float, deadline: float) -> bytes:
+        """The body, decoded here rather than by httpx so that a compression bomb stops at the limit: gzip or deflate
+        once (stacked or other encodings are refused), inflated at most to the limit, all within the request's
+        KB_WEB_TIMEOUT_S (a server that drips a byte at a time does not hold the crawl)."""
+        encoding = response.headers.get("content-encoding", "identity").strip().lower() or "identity"
+        if encoding not in ("identity", "gzip", "x-gzip", "deflate"):
+            raise PageError(f"content encoding {encoding!r} is not read (gzip or deflate, once)")
+        inflate = None if encoding == "identity" else zlib.decompressobj(32 + zlib.MAX_WBITS)  # gzip or zlib header
         data = bytearray()
-        for block in response.iter_bytes():
-            data += block
-            if len(data) > limit:
-                raise PageError(f"the page is over the {limit / 1e6:g} MB limit (KB_MAX_FILE_MB)")
+        try:
+            for raw in response.iter_raw():
+                while raw:
+                    if inflate is None:
+                        data += raw
+                        raw = b""
+                    else:
+                        data += inflate.decompress(raw, int(limit) + 1 - len(data))
+                        raw = inflate.unconsumed_tail
+                    if len(data) > limit:
+                        raise PageError(f"the page is over the {limit / 1e6:g} MB limit (KB_MAX_FILE_MB)")
+                if time.monotonic() > deadline:
+                    raise PageError(f"the page took more than {self.timeout_s:g} s (KB_WEB_TIMEOUT_S)")
+            if inflate is not None:
+                data += inflate.flush()
+        except zlib.error as exc:
+            raise PageError(f"the page's {encoding} body is damaged: {exc}") from None
+        if len(data) > limit:
+            raise PageError(f"the page is over the {limit / 1e6:g} MB limit (KB_MAX_FILE_MB)")
         return bytes(data)
 
     def robots(self) -> RobotFileParser:
@@ -240,27 +281,35 @@ class Site:
     def _origin(self) -> Scope:
         return replace(self.scope, prefix="/")
 
-    def sitemap_urls(self, rules: RobotFileParser) -> list[str]:
-        """The in-scope page URLs the site's sitemaps list (robots.txt's Sitemap: lines, else /sitemap.xml), an
-        index's sitemaps followed; [] when it has none."""
+    def sitemap_urls(self, rules: RobotFileParser) -> tuple[list[str], str | None]:
+        """(the in-scope page URLs the site's sitemaps list (robots.txt's Sitemap: lines, else /sitemap.xml), an
+        index's sitemaps followed; [] when it has none, why the list is incomplete or None). A default /sitemap.xml
+        that is not there means no sitemap; a named or indexed one that fails, or more than MAX_SITEMAPS, leaves the
+        list incomplete: the pages of the sitemap that failed are unknown, and nothing may be deleted for them."""
         scheme, host, port = self.scope.origin
-        queue = deque(rules.site_maps() or [f"{scheme}://{host}:{port}/sitemap.xml"])
-        seen, pages = set(), []
-        while queue and len(seen) < MAX_SITEMAPS:
+        named = rules.site_maps()
+        queue = deque(named or [f"{scheme}://{host}:{port}/sitemap.xml"])
+        seen, pages, problem = set(), [], None
+        while queue:
             url = queue.popleft()
             if url in seen or not self._origin().holds(url):
                 continue
+            if len(seen) >= MAX_SITEMAPS:
+                problem = f"more than {MAX_SITEMAPS} sitemaps: the pages of {url} and after are not listed"
+                break
             seen.add(url)
             try:
                 root = ElementTree.fromstring(self._origin_get(url).body)
-            except (PageError, ElementTree.ParseError):
+            except (PageError, ElementTree.ParseError) as exc:
+                if named or len(seen) > 1 or not str(exc).startswith("HTTP 404"):
+                    problem = problem or f"sitemap {url} could not be read ({exc})"
                 continue
             for loc in (e.text.strip() for e in root.iter() if e.tag.rsplit("}", 1)[-1] == "loc" and e.text):
                 if root.tag.rsplit("}", 1)[-1] == "sitemapindex":
                     queue.append(loc)
                 elif self.scope.holds(loc):
                     pages.append(loc)
-        return pages
+        return pages, problem
 
 
 def page_url(scope: Scope, locator: str) -> str:
@@ -281,21 +330,31 @@ def links_of(page: Page) -> tuple[list[str], str | None]:
     return absolute, resolved(urljoin(page.url, parser.canonical)) if parser.canonical else None
 
 
+GAP = "gap"  # crawl() yields (reason, GAP) once when it goes on but cannot see every page: nothing is deleted
+
+
 def crawl(site: Site, known_tags: dict[str, str | None], stored: Callable[[str], bytes | None], max_pages: int,
           max_depth: int, max_s: float = math.inf,
-          clock: Callable[[], float] = time.monotonic) -> Iterator[tuple[str, Page | PageError | None]]:
+          clock: Callable[[], float] = time.monotonic) -> Iterator[tuple[str, Page | PageError | str | None]]:
     """(locator, page or why it failed) for every page in scope: the sitemap's, else those reached by links from the
     start URL (at most `max_depth` links away); an unchanged page's links are read from its `stored` body. Yields
     (reason, None) once and stops when `max_pages` is reached or `max_s` seconds of `clock` have passed before a
-    page is requested: the crawl is then incomplete."""
+    page is requested; yields (reason, GAP) once and goes on when some pages cannot be known (a sitemap that failed;
+    following links, a page that failed other than with a 4xx, a 304 without its stored body, links past
+    max_depth). Either way the crawl
+    is incomplete. A page whose canonical URL is another in-scope page is not stored: that page is fetched itself (a
+    page cannot put its text under another's name)."""
     deadline = clock() + max_s
     rules = site.robots()
-    listed = site.sitemap_urls(rules)
+    listed, gap = site.sitemap_urls(rules)
     queue = deque((url, 0) for url in dict.fromkeys(resolved(url) for url in [site.scope.start, *listed]))
     follow = not listed
     seen: set[str] = set()
     visited = 0
     while queue:
+        if gap:
+            yield gap, GAP
+            gap = ""
         url, depth = queue.popleft()
         locator = site.scope.locator(url)
         if locator in seen or not rules.can_fetch(AGENT, url):
@@ -312,6 +371,8 @@ def crawl(site: Site, known_tags: dict[str, str | None], stored: Callable[[str],
             page = site.get(url, known_tags.get(locator))
         except PageError as exc:
             yield locator, exc
+            if follow and gap is None and not str(exc).startswith("HTTP 4"):  # a page gone took its links with it
+                gap = f"{locator} failed: the pages it links to are not known"
             continue
         if page.url != url:  # redirected inside the scope: the page is named by where it is
             locator = site.scope.locator(page.url)
@@ -320,17 +381,22 @@ def crawl(site: Site, known_tags: dict[str, str | None], stored: Callable[[str],
             seen.add(locator)
         if page.status == 304:
             page.body = stored(locator) or b""
+            if follow and not page.body and gap is None:
+                gap = f"{locator} is unchanged but its stored copy is gone: the pages it links to are not known"
         if page.doc_format == "html" and page.body:
             links, canonical = links_of(page)
-            if canonical and canonical != url and site.scope.holds(canonical):
-                named = site.scope.locator(canonical)
-                if named in seen and named != locator:
-                    continue  # the same page under another URL
-                seen.add(named)
-                locator = named
+            if canonical and resolved(canonical) != resolved(page.url) and site.scope.holds(canonical):
+                if site.scope.locator(canonical) not in seen:
+                    queue.appendleft((canonical, depth))
+                continue  # the same page under another URL: stored once, under its canonical one, as fetched there
             if follow and depth < max_depth:
                 queue.extend((link, depth + 1) for link in links if site.scope.holds(link))
+            elif follow and gap is None and any(site.scope.holds(link) and site.scope.locator(link) not in seen
+                                                for link in links):
+                gap = f"links past {max_depth} deep (KB_WEB_MAX_DEPTH) are not followed"
         yield locator, page
+    if gap:
+        yield gap, GAP
 
 
 def place_path(url: str) -> str:
