@@ -124,10 +124,12 @@ def source_change_sensor(context: dg.SensorEvaluationContext, kb: KnowledgeBase)
     """Requests a refresh of each folder or JSONL source whose files were added, removed or modified since the last
     tick. Buckets, sites and tables refresh on their cron (or their upstream asset): listing a bucket or crawling a
     site every minute would cost requests (and money) for what a cron run does."""
+    from pipelines.sources.declarations import ON_DISK
+
     seen = json.loads(context.cursor) if context.cursor else {}
     requests = []
     for source in _partitioned(context, kb):
-        if source.kind not in ("folder", "jsonl"):
+        if source.kind not in ON_DISK:
             continue
         fingerprint = source_fingerprint(str(source.path))
         if seen.get(source.source_id) != fingerprint:

@@ -30,6 +30,7 @@ from pipelines.sources.tables import TableSpec, place_path
 from pipelines.storage.locks import LOCK_NAMESPACE
 
 TREES = ("folder", "objects")  # kinds whose documents are named by their path below the source's location
+ON_DISK = ("folder", "jsonl")  # kinds read from this machine's files (the rest are fetched: buckets, sites, tables)
 UPSTREAM = re.compile(r"^[A-Za-z0-9_-]+(/[A-Za-z0-9_-]+)*$")
 NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$")
 GROUP = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:@-]{0,62}$")
@@ -352,7 +353,7 @@ def check_overlaps(conn: psycopg.Connection, source: Source) -> None:
             continue
         there = place(other.path)
         if here.holds(there) and there.holds(here):
-            what = "folder" if source.kind in ("folder", "jsonl") else "location"
+            what = "folder" if source.kind in ON_DISK else "location"
             raise DeclarationError(f"{source.path} is the {what} of source {other.source_id!r} ({other.path}): one {what}"
                                    " is one source (a second name would serve its files under other groups)")
         if there.holds(here):

@@ -5,6 +5,8 @@ from __future__ import annotations
 import psycopg
 from psycopg.rows import dict_row
 
+from pipelines.sources.declarations import ON_DISK
+
 SOURCES = """
 SELECT s.source_id, s.kind, s.location, s.allowed_groups, s.declared_in, s.last_crawled_at, s.last_crawl,
        (SELECT count(*) FROM documents d WHERE d.source_id = s.source_id AND d.deleted_at IS NULL) AS documents,
@@ -23,7 +25,7 @@ def crawl_line(crawl: dict) -> str:
     9900 unchanged (9900 not read: ETag), 0 failed, 0 deleted`. Local files are read, remote ones fetched."""
     if crawl.get("blind"):
         return "saw nothing: the source could not be read (see failing), and nothing was deleted"
-    read = "read" if crawl["kind"] in ("folder", "jsonl") else "fetched"
+    read = "read" if crawl["kind"] in ON_DISK else "fetched"
     unread = f" ({crawl['unread']} not read: {crawl['unread_by']})" if crawl["unread"] else ""
     return (f"{crawl['listed']} listed, {crawl['read']} {read}, {crawl['unchanged']} unchanged{unread},"
             f" {crawl['failed']} failed, {crawl['deleted']} deleted")
