@@ -438,7 +438,7 @@ def search(query, k, source_id, arm, mode, lexical_weight, k_overfetch, groups, 
         run_search,
         shown_scores,
     )
-    from pipelines.retrieval.search import Filters, metadata_filter
+    from pipelines.retrieval.search import Filters, cited, metadata_filter
     from pipelines.storage.database import connect
 
     settings = load_settings()
@@ -458,7 +458,7 @@ def search(query, k, source_id, arm, mode, lexical_weight, k_overfetch, groups, 
             raise UserError(str(exc)) from exc
     scores = shown_scores([c["score"] for c in data["chunks"]])
     text = "\n\n".join(
-        f"{i}. [{scores[i - 1]}] {c['source']}:{_shown(c['document'])}" + (f" p. {c['page']}" if c["page"] else "")
+        f"{i}. [{scores[i - 1]}] {cited(c['source'] + ':' + _shown(c['document']), c['page'])}"
         + (f" > {_shown(' > '.join(c['section_path']))}" if c["section_path"] else "")
         + (f"\n   Q: {_snippet(c['question'])}" if c["kind"] == "card" else "")
         + (f"\n   also in: {_shown(', '.join(c['copies']))}" if c["copies"] else "")

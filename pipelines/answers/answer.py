@@ -33,7 +33,7 @@ from pipelines.answers.citations import validate_citations
 from pipelines.ingest.sentences import split_sentences
 from pipelines.models.chat import ChatNotConfigured, complete, openai_client
 from pipelines.retrieval.readable import readable
-from pipelines.retrieval.search import Filters, embed_query
+from pipelines.retrieval.search import Filters, cited, embed_query
 from pipelines.settings import Settings
 
 NOT_FOUND = "not found in the documents"
@@ -71,7 +71,7 @@ class Context:
     sentences: list[str] = field(default_factory=list, repr=False)  # the sentences that may answer
 
     def label(self) -> str:
-        where = f"{self.document} p. {self.page}" if self.page else self.document
+        where = cited(self.document, self.page)
         return f"[{where}, {self.section}]" if self.section else f"[{where}]"
 
 

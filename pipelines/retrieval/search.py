@@ -256,6 +256,11 @@ def search_explained(conn: psycopg.Connection, embedder: Embedder, query: str, k
     return query_class, hits[:k]
 
 
+def cited(where: str, page: int | None) -> str:
+    """A place as results, copies and citations name it: `handbook:manual.pdf p. 16` (a page when it has one)."""
+    return f"{where} p. {page}" if page else where
+
+
 def distinct(hits: list[Hit]) -> list[Hit]:
     """The hits without the repeats of a text a better-ranked hit of the same kind shows (a disclaimer on every
     document, a site's footer, one file under two paths), whatever its spacing: each repeat is listed in that hit's
@@ -267,7 +272,7 @@ def distinct(hits: list[Hit]) -> list[Hit]:
     for hit in hits:
         text = (hit.kind, " ".join(hit.content.split()))
         if text in first:
-            first[text].copies.append(f"{hit.source}:{hit.document}" + (f" p. {hit.page}" if hit.page else "")
+            first[text].copies.append(cited(f"{hit.source}:{hit.document}", hit.page)
                                       + (f" > {' > '.join(hit.section_path)}" if hit.section_path else ""))
         else:
             first[text] = hit
