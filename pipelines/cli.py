@@ -340,7 +340,8 @@ def _name_in_config(conn, settings, path: str) -> str | None:
 
 def _ingest_lines(data: dict, unsupported: str) -> list[str]:
     """The run's counters as sentences a person reads: documents, then what each source's crawl listed, read and knew
-    unchanged without reading it, what was skipped, chunks, time, then each failed file. Chunks say what happened to them (added, updated in place, closed), not a sum of writes."""
+    unchanged without reading it, what was skipped, chunks, time, then each failed file. Chunks say what happened to
+    them (added, updated in place, closed), not a sum of writes."""
     from pipelines.storage.status import crawl_line
 
     d = data

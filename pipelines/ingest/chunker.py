@@ -238,14 +238,14 @@ class Chunker:
         return ChunkDraft("text", text, path, sentences[0].page, self.counter.count([text])[0])
 
 
+SENTENCE_ENDS = (".", "!", "?", "。", "！", "？", "।", "؟", "…")
+
+
 def _leads_in(sentence: _Sentence, following: _Sentence) -> bool:
     """Whether a sentence introduces the paragraph that follows it: it ends its own paragraph with a colon, or with
     no sentence punctuation at all ("Let us compute the Markov basis via the call" before the call)."""
     text = sentence.text.rstrip().rstrip("\"'”’»)]")
     return following.paragraph != sentence.paragraph and (text.endswith(":") or not text.endswith(SENTENCE_ENDS))
-
-
-SENTENCE_ENDS = (".", "!", "?", "。", "！", "？", "।", "؟", "…")
 
 
 def _tokens(sentences: list[_Sentence]) -> int:

@@ -732,8 +732,9 @@ def _summary(crawl: Crawl, before: Counter, deleted: int) -> dict:
     """What this crawl did to its source: the report's counts since it began, what it did not read and why."""
     done = {name: crawl.report.counts[name] - before[name] for name in ("seen", "new", "changed", "unchanged", "failed",
                                                                          "skipped")}
-    return {"kind": crawl.source.kind, "listed": done["seen"], "read": done["new"] + done["changed"] + done["unchanged"] - crawl.unread,
-            "new": done["new"], "changed": done["changed"], "unchanged": done["unchanged"], "unread": crawl.unread,
+    read = done["new"] + done["changed"] + done["unchanged"] - crawl.unread
+    return {"kind": crawl.source.kind, "listed": done["seen"], "read": read, "new": done["new"],
+            "changed": done["changed"], "unchanged": done["unchanged"], "unread": crawl.unread,
             "unread_by": UNREAD_BY[crawl.source.kind], "failed": done["failed"], "skipped": done["skipped"],
             "deleted": deleted}
 

@@ -82,8 +82,8 @@ class Chunk(BaseModel):
     question: str | None = Field(None, description="A card's question.")
     source_chunk_id: int | None = Field(None, description="A card's source chunk: what citations point at.")
     page: int | None = Field(None, description="The page the chunk starts on (PDFs), for citing it as `file.pdf p. 16`.")
-    copies: list[str] = Field([], description="Other documents (source:path) holding the same text, not listed"
-                                              " (duplicates=true lists them as results).")
+    copies: list[str] = Field([], description="Other places (source:path p. N > section) holding the same text, not"
+                                              " listed (duplicates=true lists them as results).")
     dense_rank: int | None = Field(None, description="Rank in the dense arm (debug).")
     dense_score: float | None = Field(None, description="Cosine similarity to the query (debug).")
     lexical_rank: int | None = Field(None, description="Rank in the lexical (BM25) arm (debug).")

@@ -341,9 +341,8 @@ def crawl(site: Site, known_tags: dict[str, str | None], stored: Callable[[str],
     (reason, None) once and stops when `max_pages` is reached or `max_s` seconds of `clock` have passed before a
     page is requested; yields (reason, GAP) once and goes on when some pages cannot be known (a sitemap that failed;
     following links, a page that failed other than with a 4xx, a 304 without its stored body, links past
-    max_depth). Either way the crawl
-    is incomplete. A page whose canonical URL is another in-scope page is not stored: that page is fetched itself (a
-    page cannot put its text under another's name)."""
+    max_depth). Either way the crawl is incomplete. A page whose canonical URL is another in-scope page is not
+    stored: that page is fetched itself (a page cannot put its text under another's name)."""
     deadline = clock() + max_s
     rules = site.robots()
     listed, gap = site.sitemap_urls(rules)
