@@ -225,7 +225,10 @@ def test_compressed_pages_stop_at_the_limit_and_a_canonical_url_cannot_borrow_an
 
     monkeypatch.setenv("KB_MAX_FILE_MB", "0.05")
     html = {"Content-Type": "text/html"}
-    site.page("/kb/", "Start", "The start page.", links=["plain.html", "bomb.html", "stacked.html", "a1.html"])
+    site.page("/kb/", "Start", "The start page.", links=["plain.html", "bomb.html", "stacked.html", "a1.html",
+                                                         "cut.html"])
+    site.pages["/kb/cut.html"] = (200, {**html, "Content-Encoding": "gzip"}, gzip.compress(
+        b"<html><body><p>Half of this page never arrives.</p>" + b"<p>filler</p>" * 500)[:-40])
     site.pages["/kb/plain.html"] = (200, {**html, "Content-Encoding": "gzip"}, gzip.compress(
         b"<html><head><title>Plain</title></head><body><p>Okapi stew is served on Fridays.</p></body></html>"))
     site.pages["/kb/bomb.html"] = (200, {**html, "Content-Encoding": "gzip"}, gzip.compress(b"<p>" + b"0" * 50_000_000))
@@ -238,7 +241,8 @@ def test_compressed_pages_stop_at_the_limit_and_a_canonical_url_cannot_borrow_an
     kb("source", "add", "docs", f"{site.base}/kb/", "--public")
     result = ingest(expect=3)
     failed = {e["file"]: e["reason"] for e in result["errors"]}
-    assert set(failed) == {"bomb.html", "stacked.html", f"{site.base}/kb/"}, failed  # links behind them unknown
+    assert set(failed) == {"bomb.html", "stacked.html", "cut.html", f"{site.base}/kb/"}, failed  # links unknown
+    assert "ends early" in failed["cut.html"]
     assert "no page is deleted by this crawl" in failed[f"{site.base}/kb/"]
     assert "over the 0.05 MB limit" in failed["bomb.html"] and "is not read" in failed["stacked.html"]
     found = texts(conn, embedder, "zebra garage")

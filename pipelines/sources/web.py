@@ -252,6 +252,8 @@ class Site:
                     raise PageError(f"the page took more than {self.timeout_s:g} s (KB_WEB_TIMEOUT_S)")
             if inflate is not None:
                 data += inflate.flush()
+                if not inflate.eof:  # a body cut short in transfer: storing what came would store half a page
+                    raise PageError(f"the page's {encoding} body ends early (cut short in transfer)")
         except zlib.error as exc:
             raise PageError(f"the page's {encoding} body is damaged: {exc}") from None
         if len(data) > limit:
