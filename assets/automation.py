@@ -15,17 +15,22 @@ from datetime import datetime, timezone
 
 import dagster as dg
 
+from assets.executors import deployment_dask, local_executor
 from assets.ingestion import ingest_flow
 from assets.maintenance import active_model, model_backfill, stale_documents
 from assets.partitions import SOURCES, partition_changes, sources
 from assets.resources import KnowledgeBase
 
 ingest_job = dg.define_asset_job("ingest", selection=dg.AssetSelection.assets(ingest_flow), partitions_def=sources,
-                                 tags={"kb/job": "refresh"},
-                                 description="Crawl one source and bring its part of the knowledge base up to date.")
-reembed_job = dg.define_asset_job("reembed", selection=dg.AssetSelection.assets(model_backfill, active_model),
-                                  tags={"kb/job": "backfill"},
+                                 tags={"kb/job": "refresh"}, executor_def=local_executor,
+                                 description="Crawl one source and bring its part of the knowledge base up to date."
+                                             " One step: its documents go to the deployment's workers.")
+BACKFILL = dg.AssetSelection.assets(model_backfill, active_model)
+reembed_job = dg.define_asset_job("reembed", selection=BACKFILL, tags={"kb/job": "backfill"},
                                   description="Build the configured model's vectors over 16 hash shards, then switch.")
+reembed_on_dask_job = dg.define_asset_job(
+    "reembed_on_dask", selection=BACKFILL, tags={"kb/job": "backfill"}, executor_def=deployment_dask,
+    description="`reembed`, its 16 shards on the deployment's dask cluster (KB_DASK_SCHEDULER).")
 
 
 def _declared(kb: KnowledgeBase) -> list:

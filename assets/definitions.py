@@ -11,8 +11,8 @@ import logging
 import dagster as dg
 import psycopg
 
-from assets.automation import SENSORS, ingest_job, reembed_job
-from assets.executors import kb_executor
+from assets.automation import SENSORS, ingest_job, reembed_job, reembed_on_dask_job
+from assets.executors import local_executor
 from assets.ingestion import ingest_flow, with_upstreams
 from assets.maintenance import MAINTENANCE_ASSETS
 from assets.resources import KnowledgeBase
@@ -29,10 +29,10 @@ log = logging.getLogger(__name__)
 def defs() -> dg.Definitions:
     return dg.Definitions(
         assets=[with_upstreams(declared_upstreams()), *MAINTENANCE_ASSETS],
-        jobs=[ingest_job, reembed_job, migrate_job],
+        jobs=[ingest_job, reembed_job, reembed_on_dask_job, migrate_job],
         sensors=SENSORS,
         resources={"kb": kb},
-        executor=kb_executor,
+        executor=local_executor,
     )
 
 
@@ -56,11 +56,7 @@ def declared_upstreams() -> list[dg.AssetKey]:
     return [key for key in declared if key not in own]
 
 
-# Module-level job factories, so that dg.reconstructable can rebuild a job in another process: the executor's
-# subprocesses, or a dask worker on another machine (assets/runs.py).
-def ingest_job_def() -> dg.JobDefinition:
-    return defs().resolve_job_def("ingest")
-
-
-def reembed_job_def() -> dg.JobDefinition:
-    return defs().resolve_job_def("reembed")
+def job_named(name: str) -> dg.JobDefinition:
+    """One of kb's jobs, as Dagster rebuilds it in another process (dg.build_reconstructable_job): the executor's
+    subprocesses, or a dask worker on another machine (assets/runs.py)."""
+    return defs().resolve_job_def(name)

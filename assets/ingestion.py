@@ -5,7 +5,7 @@ One op computes them all: it opens one run (pipelines/ingest/run.py) for the par
 source's lock from its first stage to its finish, and executes the selected stages in the flow's order. So a
 materialization of the whole chain, of a subset (only `qa_cards`), a scheduled refresh or a backfill is exactly
 `kb ingest`: one lock, the same transactions, the same gate, a finish however it ends. Its documents are parsed
-(and, on dask, embedded) by the run's executor's workers (assets/executors.py `run_workers`): local processes, or
+(and, on dask, embedded) by the deployment's workers (assets/executors.py `refresh_workers`): local processes, or
 the dask cluster's workers. A backfill of several sources is one run over all of them
 (BackfillPolicy.single_run), the sources locked in order.
 
@@ -16,7 +16,7 @@ transaction; every live chunk of the source fits the model and has a vector in t
 import dagster as dg
 from pydantic import Field
 
-from assets.executors import run_workers
+from assets.executors import refresh_workers
 from assets.metadata import gate_metadata, stage_metadata
 from assets.partitions import sources
 from assets.resources import KnowledgeBase
@@ -72,7 +72,7 @@ def ingest_flow(context: dg.AssetExecutionContext, kb: KnowledgeBase, config: Cr
             with IngestRun.open(conn, kb.settings, kb.embedder, source_ids, started_by="dagster",
                                 external_run_id=context.run_id, confirmed=Confirmations(
                                     config.allow_deletions, config.accept_new_root, config.retry_failed),
-                                workers=run_workers(context.run.run_config, kb.settings)) as run:
+                                workers=refresh_workers(kb.settings)) as run:
                 for warning in run.warnings:
                     context.log.warning(warning)
                 for stage in selected:

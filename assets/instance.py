@@ -1,4 +1,9 @@
-"""The Dagster instance kb runs on: its storage (runs, events, schedules, sensor cursors, partitions) in PostgreSQL,
+"""The Dagster instance kb runs on. kb works on any standard instance, as the deployment configures it: DAGSTER_HOME's
+dagster.yaml (Dagster's PostgreSQL storage, or none at all: the default in DAGSTER_HOME), opened through Dagster's
+public API only, never rewritten by kb. Without DAGSTER_HOME, kb's commands use KB_HOME/dagster with the
+repository's dagster.yaml, a convenience for the embedded default described below.
+
+That default keeps its storage (runs, events, schedules, sensor cursors, partitions) in PostgreSQL,
 in a database of its own on kb's server (`<kb's database>_dagster`; `kb_dagster` when kb uses the server's
 `postgres` database, as the embedded server does), so that any number of machines share one instance
 (dagster-postgres) and two knowledge bases on one server never share one.
@@ -17,7 +22,6 @@ from pathlib import Path
 
 import dagster as dg
 import psycopg
-from dagster._core.instance.ref import InstanceRef
 from dagster_postgres import DagsterPostgresStorage
 
 from pipelines.settings import REPO_ROOT, Settings, load_settings
@@ -57,16 +61,26 @@ class KbStorage(DagsterPostgresStorage):
 
 
 def dagster_home(settings: Settings) -> Path:
-    """DAGSTER_HOME, else KB_HOME/dagster (compute logs and local artifacts live there), holding kb's dagster.yaml:
-    kept current in KB_HOME/dagster, copied into a DAGSTER_HOME that has none, never over an operator's own."""
-    home = Path(os.environ.get("DAGSTER_HOME") or settings.home / "dagster").resolve()
+    """DAGSTER_HOME, used as it is; else KB_HOME/dagster, holding kb's dagster.yaml, kept current (a copy cut short
+    or damaged is simply replaced)."""
+    if os.environ.get("DAGSTER_HOME"):
+        return Path(os.environ["DAGSTER_HOME"]).resolve()
+    home = (settings.home / "dagster").resolve()
     home.mkdir(parents=True, exist_ok=True)
     config, ours = home / "dagster.yaml", (REPO_ROOT / "dagster.yaml").read_bytes()
-    if not config.exists() or (not os.environ.get("DAGSTER_HOME") and config.read_bytes() != ours):
-        write_atomic(config, ours)  # a copy cut short or damaged is simply replaced
+    if not config.exists() or config.read_bytes() != ours:
+        write_atomic(config, ours)
     return home
 
 
 def open_instance(settings: Settings) -> dg.DagsterInstance:
-    """The instance `kb` commands use: the same one as the Dagster UI, daemon and workers."""
-    return dg.DagsterInstance.from_ref(InstanceRef.from_dir(str(dagster_home(settings))))
+    """The instance `kb` commands use: the same one as the Dagster UI, daemon and workers, opened by Dagster's own
+    DagsterInstance.get() on the home above (which is DAGSTER_HOME only while it opens: the process's environment is
+    left as it was)."""
+    home, before = dagster_home(settings), os.environ.get("DAGSTER_HOME")
+    os.environ["DAGSTER_HOME"] = str(home)
+    try:
+        return dg.DagsterInstance.get()
+    finally:
+        if before is None:
+            del os.environ["DAGSTER_HOME"]

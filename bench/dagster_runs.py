@@ -40,6 +40,18 @@ def kb(*args: str, env: dict | None = None) -> tuple[float, dict | str]:
     return elapsed, json.loads(out.stdout) if "--json" in args else out.stdout
 
 
+def kb_instance(home: Path) -> Path:
+    """A DAGSTER_HOME holding kb's dagster.yaml (its instance in PostgreSQL beside kb's database), as every machine
+    of a deployment that shares one instance holds it. kb itself never writes into a DAGSTER_HOME."""
+    import shutil
+
+    from pipelines.settings import REPO_ROOT
+
+    home.mkdir(parents=True, exist_ok=True)
+    shutil.copyfile(REPO_ROOT / "dagster.yaml", home / "dagster.yaml")
+    return home
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -49,11 +61,14 @@ def free_port() -> int:
 @contextmanager
 def dask_cluster(workers: int, env: dict, logs: Path) -> Iterator[tuple[str, list[int]]]:
     """(scheduler address, worker pids): a scheduler and `workers` single-threaded workers, each a process of its
-    own with `env`, logging (and spilling) under `logs`; all stopped on exit. tests/test_distributed.py uses it too."""
+    own with `env` and the cluster declared in it (KB_DASK_SCHEDULER, as on every machine of a deployment: the
+    `reembed_on_dask` job's steps resolve it there), logging (and spilling) under `logs`; all stopped on exit.
+    tests/test_distributed.py uses it too."""
     from distributed import Client
 
     port = free_port()
     address = f"tcp://127.0.0.1:{port}"
+    env = {**env, "KB_DASK_SCHEDULER": address}
     logs.mkdir(parents=True, exist_ok=True)
     processes = []
 
@@ -131,9 +146,6 @@ def backfill(server: str, workers: int | None, home: Path) -> dict:
     when None."""
     import psycopg
 
-    from assets.instance import dagster_home
-    from pipelines.settings import load_settings
-
     name = f"kb_bench_dagster_{workers or 'local'}"
     with psycopg.connect(server, autocommit=True) as admin:
         admin.execute(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")
@@ -142,8 +154,6 @@ def backfill(server: str, workers: int | None, home: Path) -> dict:
     info["dbname"] = name
     env = {**os.environ, "DATABASE_URL": psycopg.conninfo.make_conninfo(**info), "KB_EMBEDDER": "local-fp32"}
     os.environ.update(env)
-    dagster_home(load_settings())  # kb's dagster.yaml in DAGSTER_HOME, for every process below
-    env = os.environ.copy()
     started = time.perf_counter()  # the executor's start-up is inside the clock, as it is for a user
     if workers is None:
         startup, (_, result) = 0.0, kb("dagster", "reembed", "--json", env=env)
@@ -166,7 +176,8 @@ def main() -> None:
     args = parser.parse_args()
     home = Path(os.environ.setdefault("KB_HOME", "/tmp/kb-bench-dagster"))
     home.mkdir(parents=True, exist_ok=True)
-    os.environ.setdefault("DAGSTER_HOME", str(home / "dagster"))
+    if "DAGSTER_HOME" not in os.environ:  # kb's instance in PostgreSQL, shared by the dask workers
+        os.environ["DAGSTER_HOME"] = str(kb_instance(home / "dagster"))
     from bench.report import print_table, write_results
     from pipelines.settings import load_settings
     from pipelines.storage.database import database_url

@@ -1143,18 +1143,16 @@ def dagster_group() -> None:
     """Run kb's Dagster jobs and UI on an instance kept in PostgreSQL (its own database beside kb's, kb_dagster on the embedded server)."""
 
 
-def _executor_config(dask: str | None) -> dict:
-    """The run config of a command's run. `--dask` on the operator's own command line declares the deployment's
-    scheduler for this process (as KB_DASK_SCHEDULER would), which is the only one a run may use
-    (assets/executors.py)."""
+def _declare_cluster(dask: str | None) -> None:
+    """`--dask` on the operator's own command line declares the deployment's scheduler for this process, as
+    KB_DASK_SCHEDULER would: the only one a run may use (assets/executors.py)."""
     import os
 
     if dask:
         os.environ["KB_DASK_SCHEDULER"] = dask
-    return {"execution": {"config": {"dask": {"address": dask}}}} if dask else {}
 
 
-DASK = dask_option("Run the steps on this dask scheduler's workers (tcp://host:8786; default in process).")
+DASK = dask_option("Run on this dask scheduler's workers (tcp://host:8786; default: this machine).")
 
 
 @dagster_group.command("ingest")
@@ -1163,7 +1161,8 @@ DASK = dask_option("Run the steps on this dask scheduler's workers (tcp://host:8
 @click.option("--json", "as_json", is_flag=True)
 def dagster_ingest(sources, dask, as_json) -> None:
     """Run the Dagster `ingest` job for these declared sources (default: all), one run per source, quietly; print
-    each run's counters. The runs show in the UI under the `kb` code location, like runs launched there."""
+    each run's counters. The runs are on the configured Dagster instance: the UI lists them, and the partitions
+    and asset catalog show what they materialized."""
     from assets.partitions import sync_source_partitions
     from assets.runs import execute
     from pipelines.sources.declarations import load_sources
@@ -1175,8 +1174,9 @@ def dagster_ingest(sources, dask, as_json) -> None:
         if unknown:
             raise UserError(f"not declared: {', '.join(unknown)}; see `kb source list`")
         sync_source_partitions(instance, declared)
+        _declare_cluster(dask)
         for source_id in sources or declared:
-            outcome = execute("ingest", instance, partition=source_id, run_config=_executor_config(dask))
+            outcome = execute("ingest", instance, partition=source_id)
             row = conn.execute("SELECT counters FROM ingest_runs WHERE external_run_id = %s",
                                 (outcome.run_id,)).fetchone()
             results[source_id] = {"run_id": outcome.run_id, "success": outcome.success, "failure": outcome.failure,
@@ -1184,7 +1184,7 @@ def dagster_ingest(sources, dask, as_json) -> None:
     lines = []
     for source_id, result in results.items():
         c = result["counters"]
-        lines.append(f"{source_id}: run {result['run_id'][:8]} " + ("succeeded" if result["success"] else "FAILED")
+        lines.append(f"{source_id}: run {(result['run_id'] or 'refused')[:8]} " + ("succeeded" if result["success"] else "FAILED")
                      + (f": {_count(c.get('documents_seen', 0), 'document')} seen, {c.get('documents_new', 0)} new,"
                         f" {c.get('documents_changed', 0)} changed, {c.get('documents_deleted', 0)} deleted,"
                         f" {c.get('documents_skipped', 0)} skipped, {c.get('documents_failed', 0)} failed;"
@@ -1202,14 +1202,15 @@ def dagster_ingest(sources, dask, as_json) -> None:
 @click.option("--json", "as_json", is_flag=True)
 def dagster_reembed(dask, as_json) -> None:
     """Run the Dagster `reembed` job: the configured model's vectors for every live chunk in 16 hash shards (in
-    this process; over a dask cluster's workers with --dask), then switch search to it."""
+    this process; with --dask, the `reembed_on_dask` job over the cluster's workers), then switch search to it."""
     from assets.runs import execute
 
+    _declare_cluster(dask)
     with _dagster_instance() as (_, instance):
-        outcome = execute("reembed", instance, run_config=_executor_config(dask))
+        outcome = execute("reembed_on_dask" if dask else "reembed", instance)
     summary = outcome.outputs.get("model_backfill.backfill_summary", {})
     data = {"run_id": outcome.run_id, "success": outcome.success, "failure": outcome.failure, **summary}
-    text = (f"reembed: run {outcome.run_id[:8]} " + ("succeeded" if outcome.success else "FAILED")
+    text = (f"reembed: run {(outcome.run_id or 'refused')[:8]} " + ("succeeded" if outcome.success else "FAILED")
             + (f": {summary['shards_done']} shards in {len(summary['workers'])} worker process"
                f"{'es' if len(summary['workers']) != 1 else ''}, {summary['computed']} vectors computed;"
                f" search uses {summary['model']}" if summary else "")

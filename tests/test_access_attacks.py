@@ -345,13 +345,17 @@ def test_kb_config_resolves_every_files_relative_locations_so_overlaps_are_misse
 
 
 def test_a_run_config_sets_how_many_parse_processes_the_code_location_host_forks():
-    """Item 1 (low). The resource has no fields, but the executor's `multiprocess.max_concurrent` also becomes the
-    number of local PARSE processes of the run (assets/executors.py run_workers), overriding the deployment's
-    KB_PARSE_WORKERS: a launchpad user can make one refresh fork hundreds of parsers (each loads unstructured and
-    spaCy, several hundred MB) on the host. It is a deployment setting that a run config changes."""
-    from assets.executors import run_workers
+    """Item 1 (low). The resource has no fields, but the executor's `multiprocess.max_concurrent` also became the
+    number of local PARSE processes of the run, overriding the deployment's KB_PARSE_WORKERS: a launchpad user could
+    make one refresh fork hundreds of parsers (each loads unstructured and spaCy, several hundred MB) on the host.
+    Now a refresh parses with the deployment's workers whatever the run config, and Dagster's own executor runs at
+    most as many step processes as the machine has cores."""
+    import os
+
+    from assets.executors import local_executor, refresh_workers
     from pipelines.settings import load_settings
 
     settings = load_settings()
-    workers = run_workers({"execution": {"config": {"multiprocess": {"max_concurrent": 500}}}}, settings)
-    assert workers.processes <= settings.parse_workers, workers
+    assert refresh_workers(settings).processes == settings.parse_workers
+    resolved = local_executor.config_schema.resolve_config({"config": {"multiprocess": {"max_concurrent": 500}}})
+    assert resolved.value["config"]["multiprocess"]["max_concurrent"] <= (os.cpu_count() or 1)

@@ -58,18 +58,17 @@ def test_a_run_may_choose_its_confirmations(conn, instance, hr_folder):
     assert result.success
 
 
-def test_a_run_config_cannot_name_a_dask_cluster_the_deployment_did_not_declare(conn, instance, hr_folder,
-                                                                                monkeypatch):
+def test_a_run_config_cannot_name_a_dask_cluster_the_deployment_did_not_declare(conn, instance, monkeypatch):
+    """A run chooses the job that runs on the deployment's cluster, never which cluster: the steps there read every
+    document of a restricted source. Dagster's config check refuses the address before a run exists."""
     from assets.runs import execute
 
-    monkeypatch.delenv("KB_DASK_SCHEDULER", raising=False)
-    kb("source", "add", "hr", str(hr_folder), "--group", "hr")
-    instance.add_dynamic_partitions(SOURCES, ["hr"])
-    outcome = execute("ingest", instance, partition="hr",
-                      run_config={"execution": {"config": {"dask": {"address": "tcp://203.0.113.9:8786"}}}})
-    assert not outcome.success and "names the dask scheduler 'tcp://203.0.113.9:8786'" in outcome.failure
-    run, = instance.get_runs()
-    assert run.status == dg.DagsterRunStatus.FAILURE  # refused before its executor started a step
+    monkeypatch.setenv("KB_DASK_SCHEDULER", "tcp://10.0.0.5:8786")
+    outcome = execute("reembed_on_dask", instance,
+                      run_config={"execution": {"config": {"cluster": {"existing": {"address": "tcp://203.0.113.9:8786"}}}}})
+    assert not outcome.success and outcome.run_id is None
+    assert 'unexpected config entry "cluster"' in outcome.failure and "\n" not in outcome.failure
+    assert instance.get_runs() == []
     _nothing_ran(conn)
 
 

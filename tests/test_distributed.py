@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from bench.dagster_runs import dask_cluster as cluster
-from bench.dagster_runs import free_port
+from bench.dagster_runs import free_port, kb_instance
 from pipelines.ingest.embed import missing_by_shard
 from pipelines.ingest.run import ingest
 from pipelines.models.embedders import TorchEmbedder
@@ -38,10 +38,7 @@ def deploy(settings, tmp_path, monkeypatch, dask_cluster) -> list[int]:
     """Every process (this one, `kb`, the scheduler and two workers) sees one environment, as machines of one
     deployment would: the database, the shared instance, the new model (torch fp32) and the cluster. Returns the
     workers' pids."""
-    from assets.instance import dagster_home
-
-    monkeypatch.setenv("DAGSTER_HOME", str(tmp_path / "dagster"))
-    dagster_home(settings)  # kb's dagster.yaml, as every machine of the deployment holds it
+    monkeypatch.setenv("DAGSTER_HOME", str(kb_instance(tmp_path / "dagster")))
     monkeypatch.setenv("KB_EMBEDDER", "local-fp32")
     address, worker_pids = dask_cluster(workers=2)
     monkeypatch.setenv("KB_DASK_SCHEDULER", address)
@@ -79,6 +76,8 @@ def test_a_model_backfill_runs_its_shards_on_separate_dask_workers(conn, embedde
 
 
 def test_a_dask_scheduler_that_does_not_answer_fails_the_run_in_one_line(settings, tmp_path, monkeypatch):
+    (tmp_path / "dagster").mkdir()
+    (tmp_path / "dagster" / "dagster.yaml").write_text("telemetry:\n  enabled: false\n")  # a plain instance
     monkeypatch.setenv("DAGSTER_HOME", str(tmp_path / "dagster"))
     monkeypatch.setenv("KB_DASK_SCHEDULER", f"tcp://127.0.0.1:{free_port()}")  # nothing listens there
     monkeypatch.setenv("DASK_DISTRIBUTED__COMM__TIMEOUTS__CONNECT", "2s")
@@ -158,12 +157,9 @@ def parse_notes(conn, where: str, value: str) -> dict:
 
 def test_a_refresh_through_dagster_on_dask_parses_on_the_dask_workers_and_publishes_the_same_chunks(
         conn, embedder, settings, dask_cluster, tmp_path, monkeypatch):
-    from assets.instance import dagster_home
-
     add_source(conn, declare("here", parse_heavy_folder(tmp_path / "here")), "tests")
     add_source(conn, declare("spread", parse_heavy_folder(tmp_path / "spread")), "tests")
-    monkeypatch.setenv("DAGSTER_HOME", str(tmp_path / "dagster"))
-    dagster_home(settings)
+    monkeypatch.setenv("DAGSTER_HOME", str(kb_instance(tmp_path / "dagster")))
     address, worker_pids = dask_cluster(workers=2)
 
     out = subprocess.run([str(BIN / "kb"), "dagster", "ingest", "spread", "--dask", address, "--json"],
@@ -224,23 +220,14 @@ def test_kb_ingest_with_a_dask_scheduler_that_does_not_answer_is_one_error_line(
     assert out.stderr.strip().splitlines()[-1].startswith(f"Error: the dask scheduler at {address} does not answer")
 
 
-def test_a_refresh_parses_with_the_workers_its_executor_has(settings, monkeypatch):
-    from assets.executors import UndeclaredCluster, deployment_scheduler, run_workers
+def test_a_refresh_parses_with_the_deployments_workers(settings, monkeypatch):
+    from assets.executors import refresh_workers
     from pipelines.ingest.workers import Workers
 
-    def workers(execution: dict | None) -> Workers:
-        return run_workers({"execution": {"config": execution}} if execution else {}, settings)
-
-    assert workers(None) == workers({"in_process": {}}) == Workers(settings.parse_workers)
-    assert workers({"multiprocess": {"max_concurrent": 500}}) == Workers(settings.parse_workers)  # capped
-    assert workers({"multiprocess": {"max_concurrent": 1}}) == Workers(1)
-    assert workers({"multiprocess": {}}) == Workers(settings.parse_workers)
-    monkeypatch.setenv("KB_DASK_SCHEDULER", "tcp://10.0.0.5:8786")
-    assert workers({"dask": {"address": "tcp://10.0.0.5:8786"}}) == Workers(dask="tcp://10.0.0.5:8786")
-    assert workers({"dask": {"address": {"env": "KB_DASK_SCHEDULER"}}}) == Workers(dask="tcp://10.0.0.5:8786")
-    assert deployment_scheduler("tcp://10.0.0.5:8786") == "tcp://10.0.0.5:8786"
-    with pytest.raises(UndeclaredCluster, match="names the dask scheduler 'tcp://203.0.113.9:8786'"):
-        deployment_scheduler("tcp://203.0.113.9:8786")  # a cluster the deployment never declared: the executor refuses
+    monkeypatch.delenv("KB_DASK_SCHEDULER", raising=False)
+    assert refresh_workers(settings) == Workers(settings.parse_workers)
+    monkeypatch.setenv("KB_DASK_SCHEDULER", "tcp://10.0.0.5:8786")  # the deployment declares its cluster
+    assert refresh_workers(settings) == Workers(settings.parse_workers, dask="tcp://10.0.0.5:8786")
 
 
 def _wait_for(marker: str) -> str:
