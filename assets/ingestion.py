@@ -5,19 +5,27 @@ One op computes them all: it opens one run (pipelines/ingest/run.py) for the par
 source's lock from its first stage to its finish, and executes the selected stages in the flow's order. So a
 materialization of the whole chain, of a subset (only `qa_cards`), a scheduled refresh or a backfill is exactly
 `kb ingest`: one lock, the same transactions, the same gate, a finish however it ends. Its documents are parsed
-(and, on dask, embedded) by the deployment's workers (assets/executors.py `refresh_workers`): local processes, or
+(and, on dask, embedded) by the run's executor's workers (assets/executors.py `run_workers`): local processes, or
 the dask cluster's workers. A backfill of several sources is one run over all of them
 (BackfillPolicy.single_run), the sources locked in order.
 
-Checks (per partition, against the model that serves): the golden set of the source, inside the publishing
-transaction; every live chunk of the source fits the model and has a vector in the serving model.
+Checks, one evaluation per source partition with its own outcome (a backfill of several sources is one step, so
+the op names each evaluation's partition itself): the golden set of the source, inside the publishing transaction
+(a source without one passes, saying nothing was checked); every live chunk of the source fits the model and has a
+vector in the model that serves. Executed alone (a check selected without the stages), they measure what serves now.
+
+A failure that would fail the same way again (the gate, a failed blocking check, an undeclared source, a golden set
+that cannot be read) is not retried; the retry policy is for what may pass a moment later (a dropped connection).
 """
+
+import warnings
+from collections.abc import Iterator
 
 import dagster as dg
 from pydantic import Field
 
 from assets.executors import refresh_workers
-from assets.metadata import gate_metadata, stage_metadata
+from assets.metadata import gate_metadata, rows_held, stage_metadata
 from assets.partitions import sources
 from assets.resources import KnowledgeBase
 from pipelines.ingest.flow import FLOW
@@ -34,12 +42,16 @@ SPECS = [dg.AssetSpec(stage.asset, deps=[upstream.asset] if upstream else [], de
                       metadata=table(stage.table), code_version=stage.version, partitions_def=sources, skippable=True)
          for upstream, stage in zip((None, *FLOW), FLOW)]
 PUBLISHED = next(stage.asset for stage in FLOW if stage.gated)
-GOLDEN = dg.AssetCheckSpec("golden_set_hit_rate", asset=PUBLISHED, blocking=True,
-                           description="hit@5 of the source's golden queries (its golden_set in kb.toml), checked"
-                                       " inside the publishing transaction: below the floor the refresh is rolled back")
-SEARCHABLE = dg.AssetCheckSpec("every_live_chunk_is_searchable", asset=PUBLISHED, blocking=True,
-                               description="Every live chunk of the source fits the model's input and has a vector"
-                                           " in the model that serves")
+with warnings.catch_warnings():  # partitioned checks are a preview in Dagster 1.13: public API, a warning at each load
+    warnings.simplefilter("ignore", dg.PreviewWarning)
+    GOLDEN = dg.AssetCheckSpec("golden_set_hit_rate", asset=PUBLISHED, blocking=True, partitions_def=sources,
+                               description="hit@5 of the source's golden queries (its golden_set in kb.toml), checked"
+                                           " inside the publishing transaction: below the floor the refresh is rolled"
+                                           " back. A source without a golden set passes unchecked")
+    SEARCHABLE = dg.AssetCheckSpec("every_live_chunk_is_searchable", asset=PUBLISHED, blocking=True,
+                                   partitions_def=sources,
+                                   description="Every live chunk of the source fits the model's input and has a vector"
+                                               " in the model that serves")
 
 
 class CrawlConfig(dg.Config):
@@ -58,8 +70,7 @@ class CrawlConfig(dg.Config):
 def ingest_flow(context: dg.AssetExecutionContext, kb: KnowledgeBase, config: CrawlConfig):
     """The selected stages of the flow over the partitions' sources, in one run that owns their locks."""
     from pipelines.ingest.golden import GateFailed
-    from pipelines.ingest.run import Confirmations, IngestRun
-    from pipelines.sources.declarations import load_sources
+    from pipelines.sources.declarations import DeclarationError, load_sources
 
     source_ids = sorted(context.partition_keys)
     selected = [stage for stage in FLOW if dg.AssetKey(stage.asset) in context.selected_asset_keys]
@@ -67,28 +78,44 @@ def ingest_flow(context: dg.AssetExecutionContext, kb: KnowledgeBase, config: Cr
         undeclared = sorted(set(source_ids) - {s.source_id for s in load_sources(conn, source_ids)})
         if undeclared:
             raise dg.Failure(f"sources {', '.join(undeclared)} are not declared (see `kb source list`); their partitions"
-                             " are left over and the source_partitions sensor will remove them")
+                             " are left over and the source_partitions sensor will remove them", allow_retries=False)
         try:
-            with IngestRun.open(conn, kb.settings, kb.embedder, source_ids, started_by="dagster",
-                                external_run_id=context.run_id, confirmed=Confirmations(
-                                    config.allow_deletions, config.accept_new_root, config.retry_failed),
-                                workers=refresh_workers(kb.settings)) as run:
-                for warning in run.warnings:
-                    context.log.warning(warning)
-                for stage in selected:
-                    report = run.run_stage(stage)
-                    for failure in report.failures:
-                        context.log.warning(str(failure))
-                    checks = _checks(context, conn, stage, report, kb)
-                    yield dg.MaterializeResult(asset_key=stage.asset,
-                                               metadata=stage_metadata(conn, stage, report, source_ids, kb.embedder),
-                                               check_results=checks)
-                    if failed := [c.check_name for c in checks if not c.passed
-                                  and c.severity == dg.AssetCheckSeverity.ERROR]:
-                        raise dg.Failure(f"blocking check {', '.join(failed)} failed on {stage.asset}: the stages"
-                                         " after it did not run")
+            if selected:
+                yield from _stages(context, conn, kb, config, selected)
+            if not any(stage.gated for stage in selected):  # checks without the gated stage: on what serves now
+                yield from _checked(context, conn, kb, None)
         except GateFailed as failed:
-            raise dg.Failure(description=str(failed), metadata=gate_metadata(failed.gate)) from None
+            yield from _evaluations(context, conn, kb, failed.gate)
+            raise dg.Failure(description=str(failed), metadata=gate_metadata(failed.gate),
+                             allow_retries=False) from None
+        except DeclarationError as declared:
+            raise dg.Failure(description=str(declared), allow_retries=False) from None
+
+
+def _stages(context: dg.AssetExecutionContext, conn, kb: KnowledgeBase, config: CrawlConfig,
+            selected: list) -> Iterator:
+    """The selected stages in one run: a materialization of each, every partition with its own row count, and the
+    checks after the gated stage."""
+    from pipelines.ingest.run import Confirmations, IngestRun
+
+    source_ids = sorted(context.partition_keys)
+    with IngestRun.open(conn, kb.settings, kb.embedder, source_ids, started_by="dagster",
+                        external_run_id=context.run_id,
+                        confirmed=Confirmations(config.allow_deletions, config.accept_new_root, config.retry_failed),
+                        workers=refresh_workers(kb.settings)) as run:
+        for warning in run.warnings:
+            context.log.warning(warning)
+        for stage in selected:
+            report = run.run_stage(stage)
+            for failure in report.failures:
+                context.log.warning(str(failure))
+            for source_id, rows in rows_held(conn, stage, source_ids).items():
+                context.add_asset_metadata({"dagster/row_count": dg.MetadataValue.int(rows)}, asset_key=stage.asset,
+                                           partition_key=source_id)
+            yield dg.MaterializeResult(asset_key=stage.asset,
+                                       metadata=stage_metadata(conn, stage, report, source_ids, kb.embedder))
+            if stage.gated:
+                yield from _checked(context, conn, kb, report.notes.get("gate"))
 
 
 def with_upstreams(upstreams: list[dg.AssetKey]) -> dg.AssetsDefinition:
@@ -104,27 +131,49 @@ def with_upstreams(upstreams: list[dg.AssetKey]) -> dg.AssetsDefinition:
                               [ingest_flow])[0]
 
 
-def _checks(context: dg.AssetExecutionContext, conn, stage, report, kb: KnowledgeBase) -> list[dg.AssetCheckResult]:
-    if not stage.gated:
-        return []
+def _checked(context: dg.AssetExecutionContext, conn, kb: KnowledgeBase,
+             gate: dict | None) -> Iterator[dg.AssetCheckEvaluation]:
+    """The selected checks' evaluations; a failed blocking one then fails the step, so that nothing after it runs,
+    and without a retry: the same data fails the same way."""
+    evaluations = _evaluations(context, conn, kb, gate)
+    yield from evaluations
+    if failed := [f"{e.check_name} ({e.partition})" for e in evaluations
+                  if not e.passed and e.severity == dg.AssetCheckSeverity.ERROR]:
+        raise dg.Failure(f"blocking check {', '.join(failed)} failed on {PUBLISHED}: the stages after it did not run",
+                         allow_retries=False)
+
+
+def _evaluations(context: dg.AssetExecutionContext, conn, kb: KnowledgeBase,
+                 gate: dict | None) -> list[dg.AssetCheckEvaluation]:
+    """One evaluation per selected check and source partition. `gate` is what the run measured inside its publishing
+    transaction; without one (the run published nothing, or the checks run alone) the golden sets are measured on what
+    serves now."""
     from pipelines.ingest.checks import unsearchable_chunks
+    from pipelines.ingest.golden import golden_gate
 
-    results = []
-    if GOLDEN.key in context.selected_asset_check_keys:
-        results.append(_gate_result(report.notes.get("gate"), kb.settings.golden_floor))
-    if SEARCHABLE.key in context.selected_asset_check_keys:
-        problems = unsearchable_chunks(conn, kb.embedder.counter.max_tokens, sorted(context.partition_keys))
-        results.append(dg.AssetCheckResult(check_name=SEARCHABLE.name, passed=not any(problems.values()),
+    source_ids, selected = sorted(context.partition_keys), context.selected_asset_check_keys
+    evaluations = []
+    if GOLDEN.key in selected:
+        where = "on the refresh, inside its publishing transaction" if gate else "on what serves now"
+        measured = gate or golden_gate(conn, kb.settings, source_ids)
+        evaluations += [_golden(source_id, measured["sources"][source_id], where) for source_id in source_ids]
+    if SEARCHABLE.key in selected:
+        for source_id in source_ids:
+            problems = unsearchable_chunks(conn, kb.embedder.counter.max_tokens, [source_id])
+            evaluations.append(_evaluation(SEARCHABLE, source_id, passed=not any(problems.values()),
                                            metadata={k: dg.MetadataValue.int(v) for k, v in problems.items()}))
-    return results
+    return evaluations
 
 
-def _gate_result(gate: dict | None, floor: float) -> dg.AssetCheckResult:
-    if gate is None:
-        return dg.AssetCheckResult(check_name=GOLDEN.name, passed=True, description="nothing was published:"
-                                   " the serving version did not change", metadata={"floor": floor})
-    if not gate["applicable"]:
-        return dg.AssetCheckResult(check_name=GOLDEN.name, passed=False, severity=dg.AssetCheckSeverity.WARN,
-                                   description="the source declares no golden set (golden_set in kb.toml):"
-                                               " nothing was checked", metadata=gate_metadata(gate))
-    return dg.AssetCheckResult(check_name=GOLDEN.name, passed=True, metadata=gate_metadata(gate))
+def _golden(source_id: str, own: dict, where: str) -> dg.AssetCheckEvaluation:
+    if not own["applicable"]:  # not a failure of the source: there is nothing to hold it to
+        return _evaluation(GOLDEN, source_id, passed=True, metadata={"queries": 0},
+                           description="not applicable: the source declares no golden set (golden_set in kb.toml),"
+                                       " so nothing was checked")
+    return _evaluation(GOLDEN, source_id, passed=own["passed"], metadata=gate_metadata(own),
+                       description=f"hit@5 of {own['queries']} golden queries {where}")
+
+
+def _evaluation(spec: dg.AssetCheckSpec, source_id: str, **result) -> dg.AssetCheckEvaluation:
+    return dg.AssetCheckEvaluation(asset_key=spec.asset_key, check_name=spec.name, blocking=spec.blocking,
+                                   partition=source_id, **result)

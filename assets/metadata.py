@@ -26,10 +26,11 @@ def report_metadata(report: StageReport) -> dict:
 def stage_metadata(conn: psycopg.Connection, stage: Stage, report: StageReport, source_ids: list[str],
                    embedder) -> dict:
     """A stage's materialization metadata: counters, time, failures, the rows its asset holds for these sources
-    (dagster/row_count), the model for the embed stage, and for the gated stage the gate and the statistics."""
+    (dagster/row_count: their total, which a partition's own count from rows_held replaces), the model for the embed
+    stage, and for the gated stage the gate and the statistics."""
     from pipelines.storage.status import ingest_statistics
 
-    held = sum(conn.execute(stage.holds, {"id": source_id}).fetchone()[0] for source_id in source_ids)
+    held = sum(rows_held(conn, stage, source_ids).values())
     metadata = {**report_metadata(report), "dagster/row_count": dg.MetadataValue.int(held),
                 "sources": dg.MetadataValue.text(", ".join(source_ids))}
     if report.notes.get("sources"):  # the extract stage: what each source's crawl listed, read, knew unchanged
@@ -46,6 +47,11 @@ def stage_metadata(conn: psycopg.Connection, stage: Stage, report: StageReport, 
         if report.notes.get("gate"):
             metadata.update({f"gate {k}": v for k, v in gate_metadata(report.notes["gate"]).items()})
     return metadata
+
+
+def rows_held(conn: psycopg.Connection, stage: Stage, source_ids: list[str]) -> dict[str, int]:
+    """The rows a stage's asset holds for each source: each partition's own dagster/row_count."""
+    return {source_id: conn.execute(stage.holds, {"id": source_id}).fetchone()[0] for source_id in source_ids}
 
 
 def gate_metadata(gate: dict) -> dict:

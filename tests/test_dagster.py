@@ -274,3 +274,132 @@ def test_skipped_files_show_in_the_stage_metadata_beside_their_count():
     metadata = report_metadata(report)
     assert metadata["skipped"].value == 1 and "failures" not in metadata
     assert metadata["skipped files"].value == "- `share:logo.png`: unsupported file type .png"
+
+
+PUBLISHED_KEY = dg.AssetKey("published_chunks")
+GOLDEN_CHECK = dg.AssetCheckKey(PUBLISHED_KEY, "golden_set_hit_rate")
+SEARCHABLE_CHECK = dg.AssetCheckKey(PUBLISHED_KEY, "every_live_chunk_is_searchable")
+
+
+def one_note(tmp_path: Path, text: str = "The okapi lives in the Ituri forest.") -> Path:
+    folder = tmp_path / "notes"
+    folder.mkdir()
+    (folder / "okapi.md").write_text(f"# Okapi\n\n{text}\n")
+    return folder
+
+
+def checks_by_partition(result) -> dict:
+    return {(e.check_name, e.partition): e for e in result.get_asset_check_evaluations()}
+
+
+def attempts(result) -> tuple[int, int]:
+    """(steps started, steps sent back for a retry) in a run's events."""
+    types = [e.event_type for e in result.all_events]
+    return types.count(dg.DagsterEventType.STEP_START), types.count(dg.DagsterEventType.STEP_UP_FOR_RETRY)
+
+
+def test_a_run_over_two_sources_gives_each_partition_its_own_row_count_and_check_results(conn, instance, tmp_path):
+    """A backfill of two sources is one step: each partition's materialization still holds its own source's rows,
+    and each check has one result per partition with its own outcome; a source without a golden set passes, saying
+    that nothing was checked (never a failure, not even a warning)."""
+    add_source(conn, declare("faq", SAMPLES_DIR / "faq.jsonl", golden_set=SAMPLES_DIR / "golden.jsonl"), "tests")
+    add_source(conn, declare("notes", one_note(tmp_path)), "tests")
+    instance.add_dynamic_partitions(SOURCES, ["faq", "notes"])
+    result = dg.materialize([ingest_flow], resources={"kb": KnowledgeBase()}, instance=instance,
+                            tags={"dagster/asset_partition_range_start": "faq",
+                                  "dagster/asset_partition_range_end": "notes"})
+    assert result.success
+    counts = {e.partition: e.step_materialization_data.materialization.metadata["dagster/row_count"].value
+              for e in result.get_asset_materialization_events() if e.asset_key == PUBLISHED_KEY}
+    held = dict(conn.execute("SELECT d.source_id, count(*) FROM chunks c JOIN documents d USING (document_id)"
+                             " WHERE c.valid_to IS NULL AND c.kind <> 'card' GROUP BY 1").fetchall())
+    assert counts == held and counts["notes"] == 1 < counts["faq"]
+
+    checks = checks_by_partition(result)
+    assert set(checks) == {(check.name, source) for check in (GOLDEN_CHECK, SEARCHABLE_CHECK)
+                           for source in ("faq", "notes")}
+    assert all(evaluation.passed for evaluation in checks.values())
+    faq, notes = checks["golden_set_hit_rate", "faq"], checks["golden_set_hit_rate", "notes"]
+    assert faq.metadata["queries"].value == 1 and faq.metadata["hit@5"].value == 1.0
+    assert notes.severity == dg.AssetCheckSeverity.ERROR and "nothing was checked" in notes.description
+    for check in (GOLDEN_CHECK, SEARCHABLE_CHECK):  # what the UI lists: an execution per partition, none left planned
+        records = instance.event_log_storage.get_asset_check_execution_history(check, limit=10)
+        assert sorted((r.partition, r.status.value) for r in records) == [("faq", "SUCCEEDED"), ("notes", "SUCCEEDED")]
+
+
+def test_a_check_executed_alone_evaluates_what_serves_now(conn, settings, embedder, instance, tmp_path):
+    """Selecting only the checks runs no stage and opens no ingest run, yet evaluates them: a chunk that lost its
+    vector fails `every_live_chunk_is_searchable`, and the golden set is searched on what is published."""
+    from pipelines.ingest.run import ingest
+    from pipelines.storage.vectors import vector_table
+
+    add_source(conn, declare("faq", SAMPLES_DIR / "faq.jsonl", golden_set=SAMPLES_DIR / "golden.jsonl"), "tests")
+    instance.add_dynamic_partitions(SOURCES, ["faq"])
+    ingest(conn, embedder, settings, ["faq"])
+    runs = conn.execute("SELECT count(*) FROM ingest_runs").fetchone()[0]
+
+    def checks_alone():
+        return dg.materialize([ingest_flow], selection=dg.AssetSelection.checks(GOLDEN_CHECK, SEARCHABLE_CHECK),
+                              resources={"kb": KnowledgeBase()}, instance=instance, tags={"dagster/partition": "faq"},
+                              raise_on_error=False)
+
+    healthy = checks_alone()
+    assert healthy.success and not healthy.get_asset_materialization_events()
+    checks = checks_by_partition(healthy)
+    assert set(checks) == {("golden_set_hit_rate", "faq"), ("every_live_chunk_is_searchable", "faq")}
+    assert checks["golden_set_hit_rate", "faq"].passed and checks["golden_set_hit_rate", "faq"].metadata[
+        "queries"].value == 1 and "on what serves now" in checks["golden_set_hit_rate", "faq"].description
+    assert checks["every_live_chunk_is_searchable", "faq"].passed
+
+    conn.execute(f"DELETE FROM {vector_table(conn, embedder.model_key).as_string(conn)}")
+    broken = checks_alone()
+    assert not broken.success
+    searchable = checks_by_partition(broken)["every_live_chunk_is_searchable", "faq"]
+    assert not searchable.passed and searchable.metadata["without_vector"].value > 0
+    assert attempts(broken) == (1, 0)  # the same data fails the same way: no retry
+    assert conn.execute("SELECT count(*) FROM ingest_runs").fetchone()[0] == runs
+
+
+def test_deterministic_failures_are_not_retried_and_a_dropped_connection_is(conn, instance, tmp_path, monkeypatch):
+    """The gate, a golden set that cannot be read and an undeclared source fail the same way on a second attempt:
+    one attempt each. A dropped connection may not: the step is retried, and the retry succeeds."""
+    import psycopg
+
+    import pipelines.sources.declarations as declarations
+
+    golden = tmp_path / "golden.jsonl"
+    golden.write_text(json.dumps({"query": "okapi", "document": "notes:missing.md"}) + "\n")
+    add_source(conn, declare("notes", one_note(tmp_path), golden_set=golden), "tests")
+    instance.add_dynamic_partitions(SOURCES, ["notes", "gone"])
+    resources = {"kb": KnowledgeBase()}
+
+    def run(partition: str, **selection):
+        return dg.materialize([ingest_flow], resources=resources, instance=instance, partition_key=partition,
+                              raise_on_error=False, **selection)
+
+    def failure(result) -> str:
+        return next(e for e in result.all_events if e.is_step_failure).event_specific_data.user_failure_data.description
+
+    gated = run("notes")
+    assert attempts(gated) == (1, 0) and "golden-set gate failed on notes: hit@5 0.00" in failure(gated)
+    gate = checks_by_partition(gated)["golden_set_hit_rate", "notes"]
+    assert not gate.passed and gate.metadata["hit@5"].value == 0.0  # the check says what was measured
+
+    golden.write_text("not json\n")
+    unreadable = run("notes")
+    assert attempts(unreadable) == (1, 0) and "its golden_set" in failure(unreadable)
+
+    undeclared = run("gone")
+    assert attempts(undeclared) == (1, 0) and "are not declared" in failure(undeclared)
+
+    real, dropped = declarations.load_sources, []
+
+    def drops_once(*args, **kwargs):
+        if not dropped:
+            dropped.append(True)
+            raise psycopg.OperationalError("server closed the connection unexpectedly")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(declarations, "load_sources", drops_once)
+    retried = run("notes", selection=["source_documents"])
+    assert retried.success and attempts(retried) == (1, 1)
