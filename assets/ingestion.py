@@ -5,7 +5,7 @@ One op computes them all: it opens one run (pipelines/ingest/run.py) for the par
 source's lock from its first stage to its finish, and executes the selected stages in the flow's order. So a
 materialization of the whole chain, of a subset (only `qa_cards`), a scheduled refresh or a backfill is exactly
 `kb ingest`: one lock, the same transactions, the same gate, a finish however it ends. Its documents are parsed
-(and, on dask, embedded) by the run's executor's workers (assets/executors.py `run_workers`): local processes, or
+(and, on dask, embedded) by the deployment's workers (assets/executors.py `refresh_workers`): local processes, or
 the dask cluster's workers. A backfill of several sources is one run over all of them
 (BackfillPolicy.single_run), the sources locked in order.
 
