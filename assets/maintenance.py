@@ -11,6 +11,7 @@ dagster-dask can schedule up front and what works with no storage shared between
 import dagster as dg
 
 from assets.ingestion import OWNERS, PUBLISHED, table
+from assets.namespace import DEFAULT, Namespace
 from assets.resources import KnowledgeBase
 from pipelines.ingest.embed import SHARDS
 from pipelines.ingest.flow import FLOW
@@ -38,7 +39,6 @@ def _shard_op(shard: str) -> dg.OpDefinition:
     return embed_shard
 
 
-EXTRACTED = dg.AssetKey(FLOW[0].asset)
 SHARD_OPS = [_shard_op(shard) for shard in SHARDS]
 
 
@@ -56,7 +56,7 @@ def backfill_summary(context: dg.OpExecutionContext, kb: KnowledgeBase) -> None:
     # A shard whose worker died may have run twice (dask hands it to another worker): count shards once, work twice.
     outputs = [(e.step_key, e.dagster_event.event_specific_data.metadata)
                for e in context.instance.all_logs(context.run_id, of_type=dg.DagsterEventType.STEP_OUTPUT)
-               if e.dagster_event and (e.step_key or "").startswith("model_backfill.embed_shard_")]
+               if e.dagster_event and ".embed_shard_" in (e.step_key or "")]
     workers = sorted({m["worker"].value for _, m in outputs if "worker" in m})
     context.add_output_metadata({"computed": sum(m["computed"].value for _, m in outputs if "computed" in m),
                                  "shards_done": len({key for key, _ in outputs}),
@@ -64,19 +64,38 @@ def backfill_summary(context: dg.OpExecutionContext, kb: KnowledgeBase) -> None:
                                  "model": kb.embedder.model_key})
 
 
-@dg.graph_asset(group_name=MAINTENANCE, kinds={"onnx", "pgvector"}, owners=OWNERS,
-                ins={"published_chunks": dg.AssetIn(key=dg.AssetKey(PUBLISHED), dagster_type=dg.Nothing,
-                                                    partition_mapping=dg.AllPartitionMapping())})
-def model_backfill(published_chunks):
-    """Vectors of the configured model for every live chunk, built beside the serving ones in 16 shards that an
-    executor runs in parallel."""
-    return backfill_summary([shard_op(published_chunks) for shard_op in SHARD_OPS])
+def build_maintenance(ns: Namespace) -> list[dg.AssetsDefinition]:
+    """model_backfill -> active_model, and stale_documents, in `ns`."""
+    group = ns.group_of(MAINTENANCE)
+
+    @dg.graph_asset(key=ns.key("model_backfill"), group_name=group, kinds={"onnx", "pgvector"}, owners=OWNERS,
+                    ins={"published_chunks": dg.AssetIn(key=ns.key(PUBLISHED), dagster_type=dg.Nothing,
+                                                        partition_mapping=dg.AllPartitionMapping())})
+    def model_backfill(published_chunks):
+        """Vectors of the configured model for every live chunk, built beside the serving ones in 16 shards that
+        an executor runs in parallel."""
+        return backfill_summary([shard_op(published_chunks) for shard_op in SHARD_OPS])
+
+    @dg.asset(key=ns.key("active_model"), deps=[model_backfill], group_name=group, kinds={"postgres"},
+              owners=OWNERS)
+    def active_model(kb: KnowledgeBase) -> dg.MaterializeResult:
+        """Search switches to the configured model in one transaction once all its vectors exist; the old model is
+        retired, its table kept. The only switch besides a first model's registration: ingests never switch."""
+        return switch_model(kb)
+
+    @dg.asset(key=ns.key("stale_documents"),
+              deps=[dg.AssetDep(ns.key(FLOW[0].asset), partition_mapping=dg.AllPartitionMapping())],
+              group_name=group, kinds={"postgres"}, owners=OWNERS, metadata=table("documents"),
+              automation_condition=dg.AutomationCondition.on_cron("30 5 * * *"))
+    def stale_documents(kb: KnowledgeBase) -> dg.MaterializeResult:
+        """Documents whose source was not crawled within its freshness window (daily, 05:30); purges old history
+        if KB_RETENTION_DAYS."""
+        return sweep(kb)
+
+    return [model_backfill, active_model, stale_documents]
 
 
-@dg.asset(deps=[model_backfill], group_name=MAINTENANCE, kinds={"postgres"}, owners=OWNERS)
-def active_model(kb: KnowledgeBase) -> dg.MaterializeResult:
-    """Search switches to the configured model in one transaction once all its vectors exist; the old model is
-    retired, its table kept. The only switch besides a first model's registration: ingests never switch."""
+def switch_model(kb: KnowledgeBase) -> dg.MaterializeResult:
     from pipelines.storage.vectors import activate_if_complete
 
     with kb.connect() as conn:
@@ -86,12 +105,7 @@ def active_model(kb: KnowledgeBase) -> dg.MaterializeResult:
     return dg.MaterializeResult(metadata={"model": kb.embedder.model_key})
 
 
-@dg.asset(deps=[dg.AssetDep(EXTRACTED, partition_mapping=dg.AllPartitionMapping())], group_name=MAINTENANCE,
-          kinds={"postgres"}, owners=OWNERS, metadata=table("documents"),
-          automation_condition=dg.AutomationCondition.on_cron("30 5 * * *"))
-def stale_documents(kb: KnowledgeBase) -> dg.MaterializeResult:
-    """Documents whose source was not crawled within its freshness window (daily, 05:30); purges old history if
-    KB_RETENTION_DAYS."""
+def sweep(kb: KnowledgeBase) -> dg.MaterializeResult:
     from pipelines.sources.staleness import sweep_sources
 
     with kb.connect() as conn:
@@ -109,4 +123,5 @@ def stale_documents(kb: KnowledgeBase) -> dg.MaterializeResult:
     })
 
 
-MAINTENANCE_ASSETS = [model_backfill, active_model, stale_documents]
+MAINTENANCE_ASSETS = build_maintenance(DEFAULT)
+model_backfill, active_model, stale_documents = MAINTENANCE_ASSETS

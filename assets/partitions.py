@@ -1,6 +1,6 @@
 """Partitions: one per declared source for ingestion (a backfill's 16 hash shards are ops: assets/maintenance.py).
 
-Source partitions are dynamic: the `sources` table is the truth (kb.toml or `kb source ...`), and
+Source partitions are dynamic (`kb_sources`, named in the namespace: assets/namespace.py): the `sources` table is the truth (kb.toml or `kb source ...`), and
 `sync_source_partitions` (run by the `source_partitions` sensor and by the CLI when it changes a declaration)
 keeps the instance in step, so a source declared from the CLI appears in the UI without a restart.
 Per-document state lives in PostgreSQL, never in partitions, which keeps Dagster's UI fast at a million documents.
@@ -8,8 +8,10 @@ Per-document state lives in PostgreSQL, never in partitions, which keeps Dagster
 
 import dagster as dg
 
-SOURCES = "sources"
-sources = dg.DynamicPartitionsDefinition(name=SOURCES)
+from assets.namespace import DEFAULT
+
+sources = DEFAULT.sources
+SOURCES = sources.name
 
 
 def partition_changes(existing: list[str], declared: list[str]) -> tuple[list[str], list[str]]:

@@ -62,7 +62,8 @@ def record_materializations(instance: dg.DagsterInstance, conn, summary, source_
                             run_id: int) -> int:
     """Record a `kb ingest` run's stages as materializations of their assets, one per source, with the metadata a
     Dagster run would attach, so that partitions and the asset catalog show the truth. Returns how many."""
-    from assets.metadata import stage_metadata
+    from assets.metadata import rows_held, stage_metadata
+    from assets.namespace import DEFAULT
     from assets.partitions import sync_source_partitions
     from pipelines.ingest.flow import stage as flow_stage
     from pipelines.sources.declarations import load_sources
@@ -73,9 +74,10 @@ def record_materializations(instance: dg.DagsterInstance, conn, summary, source_
         stage = flow_stage(report.stage)
         metadata = {**stage_metadata(conn, stage, report, source_ids, embedder),
                     "kb run": dg.MetadataValue.int(run_id)}
-        for source_id in source_ids:
+        for source_id, rows in rows_held(conn, stage, source_ids).items():  # each partition's own row count
             instance.report_runless_asset_event(dg.AssetMaterialization(
-                asset_key=stage.asset, partition=source_id, metadata=metadata,
+                asset_key=DEFAULT.key(stage.asset), partition=source_id,
+                metadata={**metadata, "dagster/row_count": dg.MetadataValue.int(rows)},
                 tags={"kb/started_by": "kb-ingest"}))
             recorded += 1
     return recorded

@@ -6,6 +6,7 @@ indexes for minutes); they name the pending files until this job, or `kb migrate
 
 import dagster as dg
 
+from assets.namespace import DEFAULT, Namespace
 from assets.resources import KnowledgeBase
 
 
@@ -26,6 +27,13 @@ def migrate_schema(context: dg.OpExecutionContext, kb: KnowledgeBase) -> list[st
     return applied
 
 
-@dg.job(name="migrate", tags={"kb/job": "schema"}, description="Install or upgrade kb's schema (`kb migrate`).")
-def migrate_job():
-    migrate_schema()
+def build_migrate_job(ns: Namespace) -> dg.JobDefinition:
+    @dg.job(name=ns.name("migrate"), tags={"kb/job": "schema"},
+            description="Install or upgrade kb's schema (`kb migrate`).")
+    def migrate_job():
+        migrate_schema()
+
+    return migrate_job
+
+
+migrate_job = build_migrate_job(DEFAULT)

@@ -1160,9 +1160,10 @@ DASK = dask_option("Run on this dask scheduler's workers (tcp://host:8786; defau
 @DASK
 @click.option("--json", "as_json", is_flag=True)
 def dagster_ingest(sources, dask, as_json) -> None:
-    """Run the Dagster `ingest` job for these declared sources (default: all), one run per source, quietly; print
+    """Run the Dagster `kb_ingest` job for these declared sources (default: all), one run per source, quietly; print
     each run's counters. The runs are on the configured Dagster instance: the UI lists them, and the partitions
     and asset catalog show what they materialized."""
+    from assets.namespace import DEFAULT
     from assets.partitions import sync_source_partitions
     from assets.runs import execute
     from pipelines.sources.declarations import load_sources
@@ -1176,7 +1177,7 @@ def dagster_ingest(sources, dask, as_json) -> None:
         sync_source_partitions(instance, declared)
         _declare_cluster(dask)
         for source_id in sources or declared:
-            outcome = execute("ingest", instance, partition=source_id)
+            outcome = execute(DEFAULT.name("ingest"), instance, partition=source_id)
             row = conn.execute("SELECT counters FROM ingest_runs WHERE external_run_id = %s",
                                 (outcome.run_id,)).fetchone()
             results[source_id] = {"run_id": outcome.run_id, "success": outcome.success, "failure": outcome.failure,
@@ -1201,14 +1202,15 @@ def dagster_ingest(sources, dask, as_json) -> None:
 @DASK
 @click.option("--json", "as_json", is_flag=True)
 def dagster_reembed(dask, as_json) -> None:
-    """Run the Dagster `reembed` job: the configured model's vectors for every live chunk in 16 hash shards (in
-    this process; with --dask, the `reembed_on_dask` job over the cluster's workers), then switch search to it."""
+    """Run the Dagster `kb_reembed` job: the configured model's vectors for every live chunk in 16 hash shards (in
+    this process; with --dask, `kb_reembed_on_dask` over the cluster's workers), then switch search to it."""
+    from assets.namespace import DEFAULT
     from assets.runs import execute
 
     _declare_cluster(dask)
     with _dagster_instance() as (_, instance):
-        outcome = execute("reembed_on_dask" if dask else "reembed", instance)
-    summary = outcome.outputs.get("model_backfill.backfill_summary", {})
+        outcome = execute(DEFAULT.name("reembed_on_dask" if dask else "reembed"), instance)
+    summary = next((output for step, output in outcome.outputs.items() if step.endswith(".backfill_summary")), {})
     data = {"run_id": outcome.run_id, "success": outcome.success, "failure": outcome.failure, **summary}
     text = (f"reembed: run {(outcome.run_id or 'refused')[:8]} " + ("succeeded" if outcome.success else "FAILED")
             + (f": {summary['shards_done']} shards in {len(summary['workers'])} worker process"

@@ -15,6 +15,7 @@ from assets.automation import (SENSORS, ingest_job, kb_automation, scheduled_ref
                                source_change_sensor, upstream_refresh)
 from assets.definitions import defs
 from assets.ingestion import ingest_flow
+from assets.namespace import DEFAULT
 from assets.partitions import SOURCES, sources
 from assets.resources import KnowledgeBase
 from pipelines.ingest.flow import FLOW
@@ -22,7 +23,7 @@ from pipelines.settings import SAMPLES_DIR
 from pipelines.sources.declarations import add_source, declare
 
 BIN = Path(sys.executable).parent
-STAGE_KEYS = [dg.AssetKey(stage.asset) for stage in FLOW]
+STAGE_KEYS = [DEFAULT.key(stage.asset) for stage in FLOW]
 
 
 def declare_sources(conn, instance, **locations) -> None:
@@ -111,20 +112,20 @@ def test_the_lineage_graph_draws_an_edge_from_each_declared_upstream_asset(conn,
     """The asset a source names as its upstream (another code location's) feeds kb's first asset in the lineage
     graph, from the declarations when the code location loads; kb's own asset named there would be a cycle and is
     skipped with a warning; a database that cannot answer draws no edge and the code location still loads."""
-    first = dg.AssetKey(FLOW[0].asset)
+    first = DEFAULT.key(FLOW[0].asset)
     assert defs().resolve_asset_graph().get(first).parent_keys == set()
     export = tmp_path / "faq.jsonl"
     export.write_text((SAMPLES_DIR / "faq.jsonl").read_text())
     add_source(conn, declare("faq", export, groups=["support"], upstream="marts/faq"), "tests")
-    add_source(conn, declare("loop", SAMPLES_DIR / "docs", groups=["support"], upstream="published_chunks"), "tests")
+    add_source(conn, declare("loop", SAMPLES_DIR / "docs", groups=["support"], upstream="kb/published_chunks"), "tests")
     graph = defs().resolve_asset_graph()
     assert graph.get(first).parent_keys == {dg.AssetKey(["marts", "faq"])}
-    assert "kb's own asset published_chunks" in caplog.text
+    assert "kb's own asset kb/published_chunks" in caplog.text
     assert dg.AssetKey(["marts", "faq"]) not in graph.materializable_asset_keys  # drawn, not materialized by kb
 
     monkeypatch.setenv("DATABASE_URL", "postgresql://nobody@127.0.0.1:1/none")
     assert defs().resolve_asset_graph().get(first).parent_keys == set()
-    assert "no lineage edges from upstream assets this load" in caplog.text
+    assert "no lineage edges from upstream assets and no source schedules this load" in caplog.text
 
 
 def _cursor_after(requests) -> str:
@@ -160,7 +161,7 @@ def test_the_plain_dagster_commands_work_from_a_fresh_clone_with_no_kb_environme
     assert shown["source"]["declared_in"] == str(fresh_clone / "samples" / "kb.toml")  # the clone's, read in place
     code = ("import dagster as dg; from assets.instance import open_instance; from pipelines.settings import"
             " load_settings; i = open_instance(load_settings());"
-            " print(sorted(i.get_materialized_partitions(dg.AssetKey('qa_cards'))))")
+            " print(sorted(i.get_materialized_partitions(dg.AssetKey(['kb', 'qa_cards']))))")
     assert run(sys.executable, "-c", code).stdout.strip() == "['faq']"
     assert not (fresh_clone / ".kb").exists()  # nor a fresh, empty knowledge base where the commands ran
 
@@ -168,7 +169,7 @@ def test_the_plain_dagster_commands_work_from_a_fresh_clone_with_no_kb_environme
 def test_declared_crons_fire_without_a_click(conn, instance, tmp_path):
     for sensor in (scheduled_refresh, kb_automation):
         assert sensor.default_status == dg.DefaultSensorStatus.RUNNING, sensor.name
-    assert {s.name for s in SENSORS} >= {"source_partitions", "scheduled_refresh", "kb_automation"}
+    assert {s.name for s in SENSORS} >= {"kb_source_partitions", "kb_scheduled_refresh", "kb_automation"}
     for name in ("minutely", "yearly"):
         (tmp_path / name).mkdir()
         (tmp_path / name / "a.md").write_text("# A\n\nSome text.\n")
@@ -181,6 +182,46 @@ def test_declared_crons_fire_without_a_click(conn, instance, tmp_path):
     assert [r.partition_key for r in scheduled_refresh_sensor(clock=lambda: now)(context)] == ["minutely"]
 
 
+def test_each_source_declared_at_load_has_its_schedule_and_the_sensor_takes_the_rest(conn, instance, tmp_path):
+    """Dagster users find a schedule per source on the Automation page, on the source's cron; the sensor refreshes
+    only what the schedules cannot know: a source declared, or given another cron, since the code location loaded.
+    No source is refreshed twice for one cron tick."""
+    from assets.automation import build_sensors
+    from assets.maintenance import stale_documents
+    from pipelines.sources.declarations import update_source
+
+    for name in ("nightly", "hourly", "later"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "a.md").write_text("# A\n\nSome text.\n")
+    add_source(conn, declare("nightly", tmp_path / "nightly", refresh_cron="0 3 * * *"), "tests")
+    add_source(conn, declare("hourly", tmp_path / "hourly"), "tests")  # KB_REFRESH_CRON's hourly default
+    loaded = defs()
+    schedules = {schedule.name: schedule for schedule in loaded.schedules}
+    assert {name: s.cron_schedule for name, s in schedules.items()} == {"kb_refresh_nightly": "0 3 * * *",
+                                                                         "kb_refresh_hourly": "0 * * * *"}
+    assert all(s.default_status == dg.DefaultScheduleStatus.RUNNING for s in schedules.values())
+    instance.add_dynamic_partitions(SOURCES, ["nightly", "hourly", "later"])
+    resources = {"kb": KnowledgeBase()}
+
+    def tick(name: str):
+        return schedules[name].evaluate_tick(dg.build_schedule_context(
+            instance=instance, resources=resources, repository_def=loaded.get_repository_def(),
+            scheduled_execution_time=datetime(2026, 12, 2, 3, tzinfo=timezone.utc)))
+
+    assert [r.partition_key for r in tick("kb_refresh_nightly").run_requests] == ["nightly"]
+
+    update_source(conn, "nightly", "tests", refresh_cron="30 3 * * *")  # re-timed after the load
+    add_source(conn, declare("later", tmp_path / "later"), "tests")  # declared after the load
+    skipped = tick("kb_refresh_nightly")
+    assert skipped.run_requests == [] and "no longer declared with this cron" in skipped.skip_message
+    now = datetime(2026, 12, 2, 3, 45, tzinfo=timezone.utc)
+    sensor = build_sensors(DEFAULT, stale_documents, clock=lambda: now, scheduled={
+        "nightly": "0 3 * * *", "hourly": "0 * * * *"})[1]  # the crons the schedules were built with
+    context = dg.build_sensor_context(instance=instance, cursor=(now - timedelta(hours=1)).isoformat(),
+                                      resources=resources)
+    assert sorted(r.partition_key for r in sensor(context)) == ["later", "nightly"]  # hourly is its schedule's
+
+
 def test_a_cli_run_is_visible_in_the_instance_with_the_assets_metadata(conn, instance, tmp_path):
     folder = tmp_path / "notes"
     folder.mkdir()
@@ -191,7 +232,7 @@ def test_a_cli_run_is_visible_in_the_instance_with_the_assets_metadata(conn, ins
     assert "declared source notes" in out.stderr  # kb ingest PATH says what it declared
     for key in STAGE_KEYS:
         assert instance.get_materialized_partitions(key) == {"notes"}, key
-    event = instance.get_latest_materialization_event(dg.AssetKey("published_chunks")).asset_materialization
+    event = instance.get_latest_materialization_event(DEFAULT.key("published_chunks")).asset_materialization
     assert event.partition == "notes" and event.metadata["dagster/row_count"].value == 1
     assert event.metadata["documents"].value == 1 and "elapsed_s" in event.metadata
 
@@ -200,7 +241,7 @@ def test_a_subset_materialization_finishes_its_run(conn, instance):
     from pipelines.storage.vectors import active_model
 
     declare_sources(conn, instance, faq=SAMPLES_DIR / "faq.jsonl")
-    for selection in (["source_documents"], ["qa_cards"], ["chunk_embeddings", "published_chunks"]):
+    for selection in (["kb/source_documents"], ["kb/qa_cards"], ["kb/chunk_embeddings", "kb/published_chunks"]):
         result = dg.materialize([ingest_flow], selection=selection, resources={"kb": KnowledgeBase()},
                                 instance=instance, partition_key="faq")
         assert result.success, selection
@@ -276,7 +317,7 @@ def test_skipped_files_show_in_the_stage_metadata_beside_their_count():
     assert metadata["skipped files"].value == "- `share:logo.png`: unsupported file type .png"
 
 
-PUBLISHED_KEY = dg.AssetKey("published_chunks")
+PUBLISHED_KEY = DEFAULT.key("published_chunks")
 GOLDEN_CHECK = dg.AssetCheckKey(PUBLISHED_KEY, "golden_set_hit_rate")
 SEARCHABLE_CHECK = dg.AssetCheckKey(PUBLISHED_KEY, "every_live_chunk_is_searchable")
 
@@ -401,5 +442,5 @@ def test_deterministic_failures_are_not_retried_and_a_dropped_connection_is(conn
         return real(*args, **kwargs)
 
     monkeypatch.setattr(declarations, "load_sources", drops_once)
-    retried = run("notes", selection=["source_documents"])
+    retried = run("notes", selection=["kb/source_documents"])
     assert retried.success and attempts(retried) == (1, 1)

@@ -53,7 +53,7 @@ def test_a_run_may_choose_its_confirmations(conn, instance, hr_folder):
     kb("source", "add", "hr", str(hr_folder), "--group", "hr")
     instance.add_dynamic_partitions(SOURCES, ["hr"])
     result = dg.materialize([ingest_flow], resources={"kb": KnowledgeBase()}, instance=instance, partition_key="hr",
-                            run_config={"ops": {"ingest_flow": {"config": {
+                            run_config={"ops": {"kb_ingest_flow": {"config": {
                                 "allow_deletions": True, "accept_new_root": True, "retry_failed": True}}}})
     assert result.success
 
@@ -64,7 +64,7 @@ def test_a_run_config_cannot_name_a_dask_cluster_the_deployment_did_not_declare(
     from assets.runs import execute
 
     monkeypatch.setenv("KB_DASK_SCHEDULER", "tcp://10.0.0.5:8786")
-    outcome = execute("reembed_on_dask", instance,
+    outcome = execute("kb_reembed_on_dask", instance,
                       run_config={"execution": {"config": {"cluster": {"existing": {"address": "tcp://203.0.113.9:8786"}}}}})
     assert not outcome.success and outcome.run_id is None
     assert 'unexpected config entry "cluster"' in outcome.failure and "\n" not in outcome.failure

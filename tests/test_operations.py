@@ -16,6 +16,7 @@ import pytest
 from assets.definitions import defs
 from assets.ingestion import ingest_flow
 from assets.maintenance import active_model, model_backfill, stale_documents
+from assets.namespace import DEFAULT
 from assets.partitions import SOURCES
 from assets.resources import KnowledgeBase
 from pipelines.ingest.flow import FLOW
@@ -27,8 +28,8 @@ from pipelines.sources.declarations import add_source, declare
 
 KB = str(Path(sys.executable).parent / "kb")
 POLICY = "handbook/leave-policy.md"
-STAGE_KEYS = [dg.AssetKey(stage.asset) for stage in FLOW]
-SOURCE_DOCUMENTS, PUBLISHED = dg.AssetKey("source_documents"), dg.AssetKey("published_chunks")
+STAGE_KEYS = [DEFAULT.key(stage.asset) for stage in FLOW]
+SOURCE_DOCUMENTS, PUBLISHED = DEFAULT.key("source_documents"), DEFAULT.key("published_chunks")
 
 
 def kb(*args: str, cwd: Path | None = None, env: dict | None = None) -> subprocess.CompletedProcess:
@@ -73,7 +74,7 @@ def test_kb_dagster_ingest_runs_the_ingest_job_on_a_postgres_instance_and_prints
     instance_db["dbname"] += "_dagster"  # beside kb's database, as kb_dagster beside kb
     with psycopg.connect(**instance_db) as dagster_db:
         runs = dagster_db.execute("SELECT pipeline_name, status FROM runs ORDER BY create_timestamp").fetchall()
-        assert runs == [("ingest", "SUCCESS"), ("ingest", "SUCCESS")]
+        assert runs == [("kb_ingest", "SUCCESS"), ("kb_ingest", "SUCCESS")]
     assert not (settings.home / "dagster" / "history").exists()  # no SQLite run storage
 
     # After the no-op refresh, row counts are what the assets hold, not what the run did.
@@ -88,18 +89,18 @@ def test_kb_dagster_ingest_runs_the_ingest_job_on_a_postgres_instance_and_prints
             .metadata["chunks_written"].value == 0
         # The runs are on the configured instance, under their job and partition, with no code location named:
         # kb may be loaded under any name, or inside a user's own code location.
-        run = instance.get_runs(dg.RunsFilter(job_name="ingest"))[0]
+        run = instance.get_runs(dg.RunsFilter(job_name="kb_ingest"))[0]
         assert run.tags["dagster/partition"] == "small" and run.remote_job_origin is None
 
 
 def test_runs_execute_with_dagsters_own_executors_in_process_unless_a_job_or_run_config_says_otherwise():
     from assets.executors import deployment_dask, local_executor
 
-    for job in ("ingest", "reembed", "__ASSET_JOB"):
+    for job in ("kb_ingest", "kb_reembed", "__ASSET_JOB"):
         assert defs().resolve_job_def(job).executor_def is local_executor
-    assert defs().resolve_job_def("reembed_on_dask").executor_def is deployment_dask
+    assert defs().resolve_job_def("kb_reembed_on_dask").executor_def is deployment_dask
     assert local_executor.config_schema.as_field().default_value == {"in_process": {}}
-    assert [job.name for job in defs().jobs] == ["ingest", "reembed", "reembed_on_dask", "migrate"]
+    assert [job.name for job in defs().jobs] == ["kb_ingest", "kb_reembed", "kb_reembed_on_dask", "kb_migrate"]
 
 
 def test_kb_uses_only_dagsters_public_api():
@@ -198,7 +199,7 @@ def test_in_dagster_a_failing_gate_fails_the_publish_step_and_says_why(conn, ins
                          partition_key="samples", raise_on_error=False)
     assert not bad.success
     failure = next(e for e in bad.all_events if e.is_step_failure)
-    assert failure.step_key == "ingest_flow"
+    assert failure.step_key == "kb_ingest_flow"
     assert "golden-set gate failed" in failure.event_specific_data.user_failure_data.description
     assert policy_text(conn) == serving
     materialized = {e.asset_key.path[-1] for e in bad.get_asset_materialization_events()}

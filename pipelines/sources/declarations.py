@@ -298,12 +298,6 @@ def load_sources(conn: psycopg.Connection, source_ids: list[str] | None = None) 
     return [_from_row(r) for r in rows]
 
 
-def declared_upstreams(conn: psycopg.Connection) -> list[str]:
-    """The Dagster assets that declared sources name as their upstream (kb's lineage edges)."""
-    return [row[0] for row in conn.execute("SELECT DISTINCT upstream_asset FROM sources WHERE removed_at IS NULL"
-                                           " AND upstream_asset IS NOT NULL ORDER BY 1")]
-
-
 def _audit(conn: psycopg.Connection, source_id: str, who: str, action: str, before: Source | None,
            after: Source | None) -> None:
     conn.execute("INSERT INTO source_changes (source_id, actor, action, before, after) VALUES (%s, %s, %s, %s, %s)",
