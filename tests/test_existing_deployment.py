@@ -131,3 +131,18 @@ def test_kb_runs_as_its_own_code_location_in_a_multi_location_workspace(settings
                          env={**os.environ, "DAGSTER_HOME": str(tmp_path)})
     assert out.returncode == 0, out.stderr[-3000:]
     assert "code location team" in out.stdout + out.stderr and "code location knowledge" in out.stdout + out.stderr
+
+
+def test_dg_checks_the_definitions_of_the_repository_as_a_dg_project(settings, tmp_path):
+    """`dg check defs` (Dagster's newer CLI, which supersedes `dagster dev` with `dg dev`) finds kb's code location
+    from pyproject.toml and loads it, with no warning about the environment it runs in."""
+    from pipelines.settings import REPO_ROOT
+
+    home = tmp_path / "dagster_home"
+    home.mkdir()
+    (home / "dagster.yaml").write_text("telemetry:\n  enabled: false\n")
+    out = subprocess.run([str(BIN / "dg"), "check", "defs"], cwd=REPO_ROOT, capture_output=True, text=True,
+                         timeout=300, env={**os.environ, "DAGSTER_HOME": str(home)})
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
+    assert "All definitions loaded successfully" in out.stdout + out.stderr
+    assert "virtual environment" not in out.stdout + out.stderr
