@@ -5,8 +5,8 @@
   refresh is one step (the whole flow under one lock, assets/ingestion.py) and a local embedding model already
   uses every core of one process: each extra process would load it again (bench/README.md). A run may not fork
   more processes than the machine has cores.
-- `deployment_dask`, the executor of the `reembed_on_dask` job: dagster-dask's executor on the deployment's own
-  scheduler, KB_DASK_SCHEDULER in the code location's environment. Its run config is empty: a run chooses the job
+- `deployment_dask`, the executor of the `kb_reembed_on_dask` job: dagster-dask's executor on the deployment's own
+  scheduler, KB_DASK_SCHEDULER in the environment of the process that starts the run. Its run config is empty: a run chooses the job
   (the cluster or not), never which cluster, since the steps there read every document of a restricted source;
   a run config naming an address is refused by Dagster's config check before anything runs.
 
@@ -18,7 +18,6 @@ step (`kb ingest` decides the same way).
 import os
 
 import dagster as dg
-from dagster_dask import dask_executor
 
 from pipelines.ingest.workers import Workers
 from pipelines.settings import Settings
@@ -42,8 +41,18 @@ local_executor = dg.multi_or_in_process_executor.configured(
                                  description="A process per step (max_concurrent: at most the cores)")}),
         default_value={"in_process": {}}))
 
-deployment_dask = dask_executor.configured(lambda _: {"cluster": {"existing": {"address": {"env": CLUSTER}}}},
-                                           name="deployment_dask", config_schema={})
+@dg.executor(name="deployment_dask", config_schema={}, requirements=dg.multiple_process_executor_requirements())
+def deployment_dask(init_context: dg.InitExecutorContext) -> dg.Executor:
+    """dagster-dask's executor on the deployment's scheduler, read where the run starts (a step on a worker never
+    needs it). dagster-dask imports dask and distributed (1.7 s): they load when such a run starts, not with the
+    definitions."""
+    from dagster_dask.executor import DaskExecutor
+
+    address = os.environ.get(CLUSTER)
+    if not address:
+        raise dg.Failure(f"this job runs on the deployment's dask cluster, but {CLUSTER} is not set in the code"
+                         " location's environment: set it to the scheduler (tcp://host:8786), or run `kb_reembed`")
+    return DaskExecutor("existing", {"address": address})
 
 
 def refresh_workers(settings: Settings) -> Workers:

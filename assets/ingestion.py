@@ -110,9 +110,9 @@ def refresh(context: dg.AssetExecutionContext, kb: KnowledgeBase, config: CrawlC
             if selected:
                 yield from _stages(context, conn, kb, config, selected, ns)
             if not any(stage.gated for stage in selected):  # checks without the gated stage: on what serves now
-                yield from _checked(context, conn, kb, None, ns)
+                yield from _checked(context, conn, kb, ns)
         except GateFailed as failed:
-            yield from _evaluations(context, conn, kb, failed.gate, ns)
+            yield from _evaluations(context, conn, kb, ns, failed.gate)
             raise dg.Failure(description=str(failed), metadata=gate_metadata(failed.gate),
                              allow_retries=False) from None
         except DeclarationError as declared:
@@ -136,43 +136,50 @@ def _stages(context: dg.AssetExecutionContext, conn, kb: KnowledgeBase, config: 
             report = run.run_stage(stage)
             for failure in report.failures:
                 context.log.warning(str(failure))
-            for source_id, rows in rows_held(conn, stage, source_ids).items():
-                context.add_asset_metadata({"dagster/row_count": dg.MetadataValue.int(rows)},
-                                           asset_key=ns.key(stage.asset), partition_key=source_id)
+            if len(source_ids) > 1:  # one source: the materialization's own row count is the partition's
+                for source_id, rows in rows_held(conn, stage, source_ids).items():
+                    context.add_asset_metadata({"dagster/row_count": dg.MetadataValue.int(rows)},
+                                               asset_key=ns.key(stage.asset), partition_key=source_id)
             yield dg.MaterializeResult(asset_key=ns.key(stage.asset),
                                        metadata=stage_metadata(conn, stage, report, source_ids, kb.embedder))
             if stage.gated:
-                yield from _checked(context, conn, kb, report.notes.get("gate"), ns)
+                yield from _checked(context, conn, kb, ns, report.notes.get("gate", NOTHING_PUBLISHED))
 
 
 ingest_flow = build_ingest_flow(DEFAULT)
 
 
-def _checked(context: dg.AssetExecutionContext, conn, kb: KnowledgeBase, gate: dict | None,
-             ns: Namespace) -> Iterator[dg.AssetCheckEvaluation]:
+NOTHING_PUBLISHED = {}  # a refresh that changed nothing: what serves was checked when it was published
+
+
+def _checked(context: dg.AssetExecutionContext, conn, kb: KnowledgeBase, ns: Namespace,
+             gate: dict | None = None) -> Iterator[dg.AssetCheckEvaluation]:
     """The selected checks' evaluations; a failed blocking one then fails the step, so that nothing after it runs,
     and without a retry: the same data fails the same way."""
-    evaluations = _evaluations(context, conn, kb, gate, ns)
+    evaluations = _evaluations(context, conn, kb, ns, gate)
     yield from evaluations
     if failed := [f"{e.check_name} ({e.partition})" for e in evaluations
                   if not e.passed and e.severity == dg.AssetCheckSeverity.ERROR]:
-        raise dg.Failure(f"blocking check {', '.join(failed)} failed on {ns.key(PUBLISHED).to_user_string()}: the stages after it"
-                         " did not run",
-                         allow_retries=False)
+        raise dg.Failure(f"blocking check {', '.join(failed)} failed on {ns.key(PUBLISHED).to_user_string()}: the"
+                         " stages after it did not run", allow_retries=False)
 
 
-def _evaluations(context: dg.AssetExecutionContext, conn, kb: KnowledgeBase, gate: dict | None,
-                 ns: Namespace) -> list[dg.AssetCheckEvaluation]:
+def _evaluations(context: dg.AssetExecutionContext, conn, kb: KnowledgeBase, ns: Namespace,
+                 gate: dict | None = None) -> list[dg.AssetCheckEvaluation]:
     """One evaluation per selected check and source partition. `gate` is what the run measured inside its publishing
-    transaction; without one (the run published nothing, or the checks run alone) the golden sets are measured on what
-    serves now."""
+    transaction, NOTHING_PUBLISHED when the refresh changed nothing (what serves was measured when it was published:
+    not measured again, a no-op refresh stays cheap), None when the checks run alone: the golden sets are then
+    measured on what serves now."""
     from pipelines.ingest.checks import unsearchable_chunks
     from pipelines.ingest.golden import golden_gate
 
     source_ids, selected = sorted(context.partition_keys), context.selected_asset_check_keys
     golden, searchable = check_specs(ns)
     evaluations = []
-    if golden.key in selected:
+    if golden.key in selected and gate is NOTHING_PUBLISHED:
+        evaluations += [_evaluation(golden, source_id, passed=True, description="nothing was published: what serves"
+                                    " is the version checked when it was published") for source_id in source_ids]
+    elif golden.key in selected:
         where = "on the refresh, inside its publishing transaction" if gate else "on what serves now"
         measured = gate or golden_gate(conn, kb.settings, source_ids)
         evaluations += [_golden(golden, source_id, measured["sources"][source_id], where) for source_id in source_ids]

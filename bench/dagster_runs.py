@@ -61,14 +61,11 @@ def free_port() -> int:
 @contextmanager
 def dask_cluster(workers: int, env: dict, logs: Path) -> Iterator[tuple[str, list[int]]]:
     """(scheduler address, worker pids): a scheduler and `workers` single-threaded workers, each a process of its
-    own with `env` and the cluster declared in it (KB_DASK_SCHEDULER, as on every machine of a deployment: the
-    `reembed_on_dask` job's steps resolve it there), logging (and spilling) under `logs`; all stopped on exit.
-    tests/test_distributed.py uses it too."""
+    own with `env`, logging (and spilling) under `logs`; all stopped on exit. tests/test_distributed.py uses it too."""
     from distributed import Client
 
     port = free_port()
     address = f"tcp://127.0.0.1:{port}"
-    env = {**env, "KB_DASK_SCHEDULER": address}
     logs.mkdir(parents=True, exist_ok=True)
     processes = []
 
