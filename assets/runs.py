@@ -30,13 +30,20 @@ class Outcome:
 def execute(job_name: str, instance: dg.DagsterInstance, partition: str | None = None,
             run_config: dict | None = None) -> Outcome:
     """Run one of kb's jobs to its end in this process; a config Dagster refuses is an outcome, not an error."""
+    import uuid
+
     job = dg.build_reconstructable_job("assets.definitions", "job_named", reconstructable_args=(job_name,))
+    command = uuid.uuid4().hex  # finds the run if its executor refuses to start
     tags = {"dagster/partition": partition} if partition else {}
     try:
         result = dg.execute_job(job, instance, run_config={**QUIET, **(run_config or {})},
-                                tags={**tags, "kb/started_by": "kb-dagster"})
-    except dg.DagsterInvalidConfigError as refused:
+                                tags={**tags, "kb/started_by": "kb-dagster", "kb/command": command})
+    except dg.DagsterInvalidConfigError as refused:  # before a run exists
         return Outcome(None, False, " ".join(str(refused).split()))
+    except dg.Failure as refused:  # the run exists, but its executor refused to start (assets/executors.py)
+        run, = instance.get_runs(dg.RunsFilter(tags={"kb/command": command}))
+        instance.report_run_failed(run)
+        return Outcome(run.run_id, False, refused.description)
     events = result.all_events
     failure = next((_why(e.step_failure_data) for e in events if e.is_step_failure), None) or next(
         (_run_failure(e.job_failure_data) for e in events if e.event_type == dg.DagsterEventType.RUN_FAILURE), None)

@@ -72,6 +72,17 @@ def test_a_run_config_cannot_name_a_dask_cluster_the_deployment_did_not_declare(
     _nothing_ran(conn)
 
 
+def test_the_cluster_job_without_a_declared_cluster_fails_in_one_line(conn, instance, monkeypatch):
+    from assets.runs import execute
+
+    monkeypatch.delenv("KB_DASK_SCHEDULER", raising=False)
+    outcome = execute("kb_reembed_on_dask", instance)
+    assert not outcome.success and "KB_DASK_SCHEDULER is not set" in outcome.failure, outcome
+    assert "\n" not in outcome.failure and "Traceback" not in outcome.failure
+    assert [run.status for run in instance.get_runs()] == [dg.DagsterRunStatus.FAILURE]  # not left "started"
+    _nothing_ran(conn)
+
+
 def test_a_model_left_building_by_another_configuration_never_fails_a_plain_refresh(conn, embedder, hr_folder):
     """A model registered once by another configuration (a shell with KB_EMBEDDER=openai) and never finished is
     built only by its backfill: plain refreshes neither embed with it (its endpoint may be gone) nor wait for it."""
