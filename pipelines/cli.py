@@ -681,7 +681,7 @@ def serve(host, port, require_key) -> None:
     if os.environ.get("KB_API_KEY"):
         raise UserError("KB_API_KEY is no longer read: create per-caller keys bound to groups with"
                                " `kb keys create NAME --group G`, then unset KB_API_KEY")
-    _check_port_free(host, port)
+    _check_port_free(host, port, "another `kb serve`?")
     settings = load_settings()
     if settings.chat_model:  # answers need it: say what is missing now, not at the first question
         from pipelines.models.chat import check_endpoint
@@ -698,9 +698,10 @@ def serve(host, port, require_key) -> None:
         raise
 
 
-def _check_port_free(host: str, port: int) -> None:
-    """A port in use is one line and exit 2 before uvicorn starts (it would log, then exit 3, kb's code for failed
-    files). Bound as uvicorn binds it (SO_REUSEADDR), so a port in TIME_WAIT is not mistaken for a busy one."""
+def _check_port_free(host: str, port: int, holder: str) -> None:
+    """A port in use is one line and exit 2 before a server starts (uvicorn would log, then exit 3, kb's code for
+    failed files; `dagster dev` would start its daemon and keep it running without a UI). `holder` guesses who holds
+    it. Bound as uvicorn binds it (SO_REUSEADDR), so a port in TIME_WAIT is not mistaken for a busy one."""
     import socket
 
     try:
@@ -713,8 +714,8 @@ def _check_port_free(host: str, port: int) -> None:
         try:
             probe.bind(address)
         except OSError as exc:
-            raise UserError(f"cannot listen on {host}:{port}: {exc.strerror or exc} (another `kb serve`?); stop it,"
-                            " or give another --port") from None
+            raise UserError(f"cannot listen on {host}:{port}: {exc.strerror or exc} ({holder}); stop it, or choose"
+                            " another with --port") from None
 
 
 @main.command(name="migrate")
@@ -1237,18 +1238,68 @@ def _dagster_instance():
 @click.option("--host", default="127.0.0.1", show_default=True, help="Where the UI listens.")
 @click.option("--port", default=3000, show_default=True, type=click.IntRange(1, 65535))
 def dagster_dev(host, port) -> None:
-    """The Dagster UI and daemon (`dagster dev -w workspace.yaml`, the same as running it from the repository
-    root) on kb's instance, with DAGSTER_HOME in KB_HOME/dagster so that run logs outlive it."""
-    import os
-    import subprocess
+    """The Dagster UI and daemon (`dagster dev -w workspace.yaml`) on kb's instance, with DAGSTER_HOME in
+    KB_HOME/dagster so that run logs outlive it.
 
-    from assets.instance import dagster_home
+    It serves the kb checkout it is started in: the nearest folder, from the current directory up, that holds
+    workspace.yaml and assets/definitions.py; elsewhere, the installed kb. A port in use is one line and exit 2;
+    stopping kb (Ctrl-C, SIGTERM) stops the UI, the daemon and their code servers with it."""
+    _check_port_free(host, port, "another `kb dagster dev` or Dagster UI?")
+    sys.exit(_run_own_session(*_dev_process(host, port, Path.cwd())))
+
+
+def _checkout(start: Path) -> Path:
+    """The kb checkout a command started in `start` works on: the nearest folder from `start` up holding kb's
+    workspace.yaml and code location (a clone being changed serves its own code), else the installed kb's."""
     from pipelines.settings import REPO_ROOT
 
-    home = dagster_home(load_settings())
-    command = [str(Path(sys.executable).parent / "dagster"), "dev", "-w", str(REPO_ROOT / "workspace.yaml"),
+    start = start.resolve()
+    return next((folder for folder in (start, *start.parents)
+                 if (folder / "workspace.yaml").is_file() and (folder / "assets" / "definitions.py").is_file()),
+                REPO_ROOT)
+
+
+def _dev_process(host: str, port: int, start: Path) -> tuple[list[str], Path, dict[str, str]]:
+    """(argv, working directory, environment) of `dagster dev` for the checkout `start` is in. The checkout's code
+    comes first on PYTHONPATH, for every process Dagster starts. It runs in DAGSTER_HOME: in a folder holding another
+    dagster.yaml (a checkout's), Dagster warns at every start that that file will not be used. KB_HOME is the
+    knowledge base kb found from `start` (a `.kb` above it), which Dagster's processes, run elsewhere, would miss."""
+    import os
+
+    from assets.instance import dagster_home
+
+    settings = load_settings()
+    code, home = _checkout(start), dagster_home(settings)
+    command = [str(Path(sys.executable).parent / "dagster"), "dev", "-w", str(code / "workspace.yaml"),
                "--host", host, "--port", str(port)]
-    sys.exit(subprocess.call(command, env={**os.environ, "DAGSTER_HOME": str(home)}, cwd=REPO_ROOT))
+    path = os.pathsep.join(filter(None, [str(code), os.environ.get("PYTHONPATH")]))
+    return command, home, {**os.environ, "DAGSTER_HOME": str(home), "KB_HOME": str(settings.home), "PYTHONPATH": path}
+
+
+STOP_WAIT_S = 90  # `dagster dev` gives its webserver and daemon 60 s each to stop
+
+
+def _run_own_session(command: list[str], cwd: Path, env: dict[str, str]) -> int:
+    """Runs `command` in a session of its own and returns its exit status. Ctrl-C or SIGTERM is passed on to the
+    session as Ctrl-C in a terminal would be, and Dagster's own shutdown is awaited; then whatever of the session
+    still runs (a webserver or daemon its parent left behind) is killed, so no process outlives kb."""
+    import os
+    import signal
+    import subprocess
+    from contextlib import suppress
+
+    signal.signal(signal.SIGTERM, signal.default_int_handler)  # SIGTERM stops it as Ctrl-C does
+    process = subprocess.Popen(command, cwd=cwd, env=env, start_new_session=True)
+    try:
+        process.wait()
+    except KeyboardInterrupt:
+        with suppress(ProcessLookupError, subprocess.TimeoutExpired):
+            os.killpg(process.pid, signal.SIGINT)
+            process.wait(timeout=STOP_WAIT_S)
+    finally:
+        with suppress(ProcessLookupError):
+            os.killpg(process.pid, signal.SIGKILL)
+    return process.wait()
 
 
 @main.group()

@@ -3,6 +3,7 @@ times, and mistakes that end in one clear line and exit 2 rather than a tracebac
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import json
 import os
@@ -16,6 +17,7 @@ import sys
 import termios
 from pathlib import Path
 
+import psutil
 import pytest
 from deadline import killed_after
 
@@ -312,6 +314,81 @@ def test_serve_on_a_busy_port_is_one_line_not_uvicorns_log():
         out = kb("serve", "--port", str(port))
     one_error_line(out, f"cannot listen on 127.0.0.1:{port}", "--port")
     assert "INFO" not in out.stderr
+
+
+def processes_of(kb_home: Path) -> list[psutil.Process]:
+    """The processes running with this KB_HOME: a command started with it and whatever it started, even orphaned."""
+    found = []
+    for process in psutil.process_iter():
+        with contextlib.suppress(psutil.Error):
+            if process.environ().get("KB_HOME") == str(kb_home) and process.status() != psutil.STATUS_ZOMBIE:
+                found.append(process)
+    return found
+
+
+def left_running(kb_home: Path) -> list[str]:
+    """What still runs with this KB_HOME once its processes had 30 s to exit; each is killed before this returns."""
+    _, alive = psutil.wait_procs(processes_of(kb_home), timeout=30)
+    named = []
+    for process in alive:
+        with contextlib.suppress(psutil.Error):
+            named.append(" ".join(process.cmdline()[:4]))
+            process.kill()
+    return named
+
+
+def test_kb_dagster_dev_on_a_busy_port_is_one_line_and_starts_nothing(tmp_path):
+    """Before: `dagster dev` started, printed "Serving ...", then "address already in use", and its daemon and
+    webserver kept running with no UI."""
+    home = tmp_path / "home"
+    env = {k: v for k, v in os.environ.items() if k != "DATABASE_URL"} | {"KB_HOME": str(home)}
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        command = subprocess.Popen([KB, "dagster", "dev", "--port", str(port)], env=env, stdout=subprocess.PIPE,
+                                   stderr=subprocess.PIPE, text=True, start_new_session=True)
+        try:
+            stdout, stderr = command.communicate(timeout=120)
+        finally:
+            leftover = left_running(home)
+    out = subprocess.CompletedProcess(command.args, command.returncode, stdout, stderr)
+    one_error_line(out, f"cannot listen on 127.0.0.1:{port}", "in use", "choose another with --port")
+    assert leftover == []
+
+
+def test_kb_dagster_dev_serves_the_checkout_it_started_in_without_a_warning(settings, fresh_clone, tmp_path):
+    """Started in a subfolder of a clone, it serves the clone's code location (not the installed kb's), with no
+    "dagster.yaml will not be used" warning, and Ctrl-C leaves nothing of it running. Its output goes to a file,
+    not a pipe that a process left behind would hold open."""
+    import signal
+    import time
+    import urllib.request
+
+    with (fresh_clone / "assets" / "definitions.py").open("a") as definitions:
+        definitions.write('\nprint("kb code location from", __file__, flush=True)\n')
+    port, log = free_port(), tmp_path / "dev.log"
+    with log.open("w") as output:
+        dev = subprocess.Popen([KB, "dagster", "dev", "--port", str(port)], cwd=fresh_clone / "docs", stdout=output,
+                               stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 300
+        while True:  # until the UI answers (it logs "Serving" just before it binds the port)
+            try:
+                urllib.request.urlopen(f"http://127.0.0.1:{port}/server_info", timeout=30)
+                break
+            except OSError:
+                assert dev.poll() is None and time.monotonic() < deadline, log.read_text()
+                time.sleep(0.5)
+        dev.send_signal(signal.SIGINT)
+        assert dev.wait(timeout=120) == 0, log.read_text()
+    finally:
+        dev.kill()
+        leftover = left_running(settings.home)
+    output = log.read_text()
+    assert f"kb code location from {fresh_clone / 'assets' / 'definitions.py'}" in output
+    assert "will not be used" not in output
+    assert leftover == []
 
 
 def test_an_openai_endpoint_that_is_not_configured_or_not_listening_fails_at_once(settings, tmp_path):
