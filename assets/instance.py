@@ -20,6 +20,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+import click
 import dagster as dg
 import psycopg
 from dagster_postgres import DagsterPostgresStorage
@@ -57,13 +58,37 @@ class KbStorage(DagsterPostgresStorage):
 
     @classmethod
     def from_config_value(cls, inst_data, config_value) -> "KbStorage":
-        storage = cls(postgres_url=config_value.get("postgres_url") or storage_url(load_settings()),
-                      inst_data=inst_data)
+        storage = cls(postgres_url=config_value.get("postgres_url") or _kb_storage_url(), inst_data=inst_data)
         # dagster-postgres opens a connection per statement unless told otherwise; a run writes some forty events, so
         # every process keeps one pooled connection per storage, as the webserver does (bench/README.md, issue 30).
         for part in (storage.run_storage, storage.event_log_storage, storage.schedule_storage):
             part.optimize_for_webserver(statement_timeout=0, pool_recycle=3600, max_overflow=4)
         return storage
+
+
+class InstanceUnavailable(click.ClickException):
+    """The instance cannot open because kb's PostgreSQL cannot serve it. Every program that opens the instance is a
+    click command (`dagster asset materialize`, `dagster dev`, the daemon, `kb`), and click prints a ClickException
+    as its one line, `Error: ...`, and exits 2, where any other exception here is a traceback of Dagster's internals
+    before any run exists."""
+
+    exit_code = 2
+
+
+def _kb_storage_url() -> str:
+    """storage_url for kb's own settings; a server that cannot serve the instance is InstanceUnavailable's line."""
+    from pipelines.storage.database import DatabaseUnavailable, location
+
+    settings = load_settings()
+    try:
+        return storage_url(settings)
+    except DatabaseUnavailable as exc:  # the embedded server did not start: its line says why
+        raise InstanceUnavailable(f"Dagster's instance cannot open: {exc}") from None
+    except psycopg.OperationalError as exc:
+        raise InstanceUnavailable(
+            f"Dagster's instance cannot open: its storage is on kb's PostgreSQL at {location(settings)}, which does"
+            f" not answer ({' '.join(str(exc).split())}); check DATABASE_URL, or unset it to use kb's embedded"
+            " server") from None
 
 
 def dagster_home(settings: Settings) -> Path:

@@ -32,10 +32,16 @@ class KnowledgeBase(dg.ConfigurableResource):
 
     @contextmanager
     def connect(self) -> Iterator[psycopg.Connection]:
-        from pipelines.storage.database import connect
+        """kb's database. One that cannot serve kb (DATABASE_URL wrong, the server down, no pgvector, the schema
+        behind) fails the step with kb's one line as the run's failure, at once: a retry would only wait to say the
+        same, and the error's stack says nothing the line does not."""
+        from pipelines.storage.database import DatabaseUnavailable, connect
 
-        with connect(self.settings) as conn:
-            yield conn
+        try:
+            with connect(self.settings) as conn:
+                yield conn
+        except DatabaseUnavailable as exc:
+            raise dg.Failure(description=str(exc), allow_retries=False) from None
 
     @property
     def embedder(self):

@@ -4,6 +4,8 @@ object that owns its lock, its gate and its finish whichever entry point starts 
 
 import json
 import os
+import shutil
+import socket
 import subprocess
 import sys
 from datetime import datetime, timedelta, timezone
@@ -19,7 +21,7 @@ from assets.namespace import DEFAULT
 from assets.partitions import SOURCES, sources
 from assets.resources import KnowledgeBase
 from pipelines.ingest.flow import FLOW
-from pipelines.settings import SAMPLES_DIR
+from pipelines.settings import REPO_ROOT, SAMPLES_DIR
 from pipelines.sources.declarations import add_source, declare
 
 BIN = Path(sys.executable).parent
@@ -164,6 +166,42 @@ def test_the_plain_dagster_commands_work_from_a_fresh_clone_with_no_kb_environme
             " print(sorted(i.get_materialized_partitions(dg.AssetKey(['kb', 'qa_cards']))))")
     assert run(sys.executable, "-c", code).stdout.strip() == "['faq']"
     assert not (fresh_clone / ".kb").exists()  # nor a fresh, empty knowledge base where the commands ran
+
+
+def test_a_wrong_database_url_under_dagsters_own_cli_is_one_line(tmp_path):
+    """`dagster asset materialize` as the README runs it (./dagster.yaml, no DAGSTER_HOME) with a DATABASE_URL where
+    nothing listens. The instance's storage is on kb's server, so it fails before any run exists: one `Error:` line
+    naming DATABASE_URL and the fix, exit 2, where it was 66 lines of traceback through Dagster's internals."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    shutil.copy(REPO_ROOT / "dagster.yaml", tmp_path)
+    env = {k: v for k, v in os.environ.items() if k != "DAGSTER_HOME"} | {
+        "DATABASE_URL": f"postgresql://nobody@127.0.0.1:{port}/kb", "KB_HOME": str(tmp_path / "home")}
+    out = subprocess.run([str(BIN / "dagster"), "asset", "materialize", "-m", "assets.definitions", "--select",
+                          "group:ingestion or group:embeddings", "--partition", "samples"],
+                         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 2, out.stderr[-3000:]
+    assert "Traceback" not in out.stderr
+    errors = [line for line in out.stderr.splitlines() if line.startswith("Error:")]
+    assert len(errors) == 1 and f"127.0.0.1:{port}/kb" in errors[0] and "check DATABASE_URL" in errors[0], out.stderr
+
+
+def test_a_database_that_cannot_serve_kb_fails_the_run_at_once_with_its_line(instance, monkeypatch):
+    """With the instance elsewhere (its own postgres_url), the run starts and its first step meets the wrong
+    DATABASE_URL: the step fails once, with kb's line as the failure's description, not retried 10 s later."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    monkeypatch.setenv("DATABASE_URL", f"postgresql://nobody@127.0.0.1:{port}/kb")
+    instance.add_dynamic_partitions(SOURCES, ["docs"])
+    result = dg.materialize([ingest_flow], resources={"kb": KnowledgeBase()}, instance=instance, partition_key="docs",
+                            raise_on_error=False)
+    assert not result.success
+    assert not [e for e in result.all_events if e.event_type == dg.DagsterEventType.STEP_UP_FOR_RETRY]
+    [failure] = result.get_step_failure_events()
+    description = failure.step_failure_data.user_failure_data.description
+    assert f"127.0.0.1:{port}/kb" in description and "check DATABASE_URL" in description
 
 
 def test_declared_crons_fire_without_a_click(conn, instance, tmp_path):
