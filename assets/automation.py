@@ -179,7 +179,9 @@ def schedule_name(ns: Namespace, source_id: str) -> str:
     import hashlib
 
     slug = re.sub(r"[^A-Za-z0-9_]", "_", source_id)
-    return ns.name(f"refresh_{slug}" + ("" if slug == source_id else f"_{hashlib.sha1(source_id.encode()).hexdigest()[:6]}"))
+    if slug != source_id:
+        slug += "_" + hashlib.sha1(source_id.encode()).hexdigest()[:6]
+    return ns.name(f"refresh_{slug}")
 
 
 def _source_schedule(ns: Namespace, source_id: str, cron: str) -> dg.ScheduleDefinition:

@@ -6,9 +6,9 @@
   uses every core of one process: each extra process would load it again (bench/README.md). A run may not fork
   more processes than the machine has cores.
 - `deployment_dask`, the executor of the `kb_reembed_on_dask` job: dagster-dask's executor on the deployment's own
-  scheduler, KB_DASK_SCHEDULER in the environment of the process that starts the run. Its run config is empty: a run chooses the job
-  (the cluster or not), never which cluster, since the steps there read every document of a restricted source;
-  a run config naming an address is refused by Dagster's config check before anything runs.
+  scheduler, KB_DASK_SCHEDULER in the environment of the process that starts the run. Its run config is empty: a
+  run chooses the job (the cluster or not), never which cluster, since the steps there read every document of a
+  restricted source; a run config naming an address is refused by Dagster's config check before anything runs.
 
 A refresh's documents are parsed (and embedded) by the deployment's workers (`refresh_workers`): the dask cluster
 when the deployment declares one, else a local pool of KB_PARSE_WORKERS processes, whichever executor runs the

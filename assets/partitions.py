@@ -1,8 +1,9 @@
 """Partitions: one per declared source for ingestion (a backfill's 16 hash shards are ops: assets/maintenance.py).
 
-Source partitions are dynamic (`kb_sources`, named in the namespace: assets/namespace.py): the `sources` table is the truth (kb.toml or `kb source ...`), and
-`sync_source_partitions` (run by the `source_partitions` sensor and by the CLI when it changes a declaration)
-keeps the instance in step, so a source declared from the CLI appears in the UI without a restart.
+Source partitions are dynamic (`kb_sources`, named in the namespace: assets/namespace.py): the `sources` table is
+the truth (kb.toml or `kb source ...`), and `sync_source_partitions` (run by the `kb_source_partitions` sensor and
+by the CLI when it changes a declaration) keeps the instance in step, so a source declared from the CLI appears in
+the UI without a restart.
 Per-document state lives in PostgreSQL, never in partitions, which keeps Dagster's UI fast at a million documents.
 """
 

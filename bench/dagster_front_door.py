@@ -5,8 +5,9 @@
   "Materialize" runs, in process), each on a fresh KB_HOME;
 - a backfill of every partition with nothing changed: the single run a BackfillPolicy.single_run backfill launches
   (`dagster asset materialize ... --partition-range faq...samples`);
-- `kb dagster ingest` (one run per source, with the code location's origin) and a `kb dagster reembed` with nothing
-  to do.
+- a backfill over 10 sources (10 copies of the FAQ), first and with nothing changed, as the one run a UI backfill
+  launches, against `kb ingest` of the same 10 sources;
+- `kb dagster ingest` (one run per source) and a `kb dagster reembed` with nothing to do.
 
     .venv/bin/python -m bench.dagster_front_door [--repeat 3]
 
@@ -91,6 +92,21 @@ def main() -> None:
               "kb dagster ingest, both sources, nothing changed (median s)": median(dagster_ingest),
               "kb dagster reembed, nothing to do (median s)": median(reembed)}
 
+    ten = fresh_env(args.root / "ten", cache)
+    sources = ten_sources(args.root / "ten-sources")
+    kb("source", "apply", str(sources), env=ten)
+    first_ten = materialize("--partition-range", "s00...s09", env=ten)
+    noop_ten = [materialize("--partition-range", "s00...s09", env=ten) for _ in range(args.repeat)]
+    ten_cli = fresh_env(args.root / "ten-cli", cache)
+    kb("source", "apply", str(sources), env=ten_cli)
+    first_ten_cli = kb("ingest", env=ten_cli)
+    noop_ten_cli = [kb("ingest", env=ten_cli) for _ in range(args.repeat)]
+    rows.append({"what": "backfill over 10 sources, first", "kb ingest s": round(first_ten_cli, 2),
+                 "dagster asset materialize s": round(first_ten, 2), "ratio": round(first_ten / first_ten_cli, 2)})
+    rows.append({"what": "backfill over 10 sources, nothing changed (median)", "kb ingest s": median(noop_ten_cli),
+                 "dagster asset materialize s": median(noop_ten),
+                 "ratio": round(median(noop_ten) / median(noop_ten_cli), 2)})
+
     from bench.report import print_table, write_results
 
     print_table(rows, ["what", "kb ingest s", "dagster asset materialize s", "ratio"])
@@ -98,7 +114,23 @@ def main() -> None:
         print(f"{name}: {value}")
     write_results("dagster_front_door", {"ingest": rows, **others, "runs": {
         "noop_cli": noop_cli, "noop_dagster": noop_dagster, "backfill": backfill, "dagster_ingest": dagster_ingest,
-        "reembed": reembed}})
+        "reembed": reembed, "noop_ten": noop_ten, "noop_ten_cli": noop_ten_cli}})
+
+
+def ten_sources(folder: Path) -> Path:
+    """A kb.toml declaring s00..s09, each a copy of the bundled FAQ with its own record ids."""
+    import json
+
+    folder.mkdir(parents=True, exist_ok=True)
+    records = [json.loads(line) for line in (REPO / "samples" / "faq.jsonl").read_text().splitlines() if line.strip()]
+    declarations = []
+    for i in range(10):
+        name = f"s{i:02d}"
+        (folder / f"{name}.jsonl").write_text("".join(json.dumps({**r, "_id": f"{name}-{r['_id']}"}) + "\n"
+                                                      for r in records))
+        declarations.append(f'[sources.{name}]\nlocation = "{name}.jsonl"\npublic = true\n')
+    (folder / "kb.toml").write_text("\n".join(declarations))
+    return folder / "kb.toml"
 
 
 if __name__ == "__main__":
