@@ -33,15 +33,15 @@ class KnowledgeBase(dg.ConfigurableResource):
     @contextmanager
     def connect(self) -> Iterator[psycopg.Connection]:
         """kb's database. One that cannot serve kb (DATABASE_URL wrong, the server down, no pgvector, the schema
-        behind) fails the step with kb's one line as the run's failure, at once: a retry would only wait to say the
-        same, and the error's stack says nothing the line does not."""
+        behind) fails the step with kb's one line as the run's failure. Only a server that did not answer is retried
+        (the step's retry policy: it may be restarting); the rest would fail the same way again."""
         from pipelines.storage.database import DatabaseUnavailable, connect
 
         try:
             with connect(self.settings) as conn:
                 yield conn
         except DatabaseUnavailable as exc:
-            raise dg.Failure(description=str(exc), allow_retries=False) from None
+            raise dg.Failure(description=str(exc), allow_retries=exc.may_pass) from None
 
     @property
     def embedder(self):

@@ -187,9 +187,11 @@ def test_a_wrong_database_url_under_dagsters_own_cli_is_one_line(tmp_path):
     assert len(errors) == 1 and f"127.0.0.1:{port}/kb" in errors[0] and "check DATABASE_URL" in errors[0], out.stderr
 
 
-def test_a_database_that_cannot_serve_kb_fails_the_run_at_once_with_its_line(instance, monkeypatch):
+def test_a_database_that_cannot_serve_kb_fails_the_run_with_its_line(instance, monkeypatch):
     """With the instance elsewhere (its own postgres_url), the run starts and its first step meets the wrong
-    DATABASE_URL: the step fails once, with kb's line as the failure's description, not retried 10 s later."""
+    DATABASE_URL: the step fails with kb's line as the failure's description. A server that does not answer may be
+    restarting: that is retried once, as the step's policy says (a deterministic failure is not: see
+    test_deterministic_failures_are_not_retried_and_a_dropped_connection_is)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -198,7 +200,7 @@ def test_a_database_that_cannot_serve_kb_fails_the_run_at_once_with_its_line(ins
     result = dg.materialize([ingest_flow], resources={"kb": KnowledgeBase()}, instance=instance, partition_key="docs",
                             raise_on_error=False)
     assert not result.success
-    assert not [e for e in result.all_events if e.event_type == dg.DagsterEventType.STEP_UP_FOR_RETRY]
+    assert len([e for e in result.all_events if e.event_type == dg.DagsterEventType.STEP_UP_FOR_RETRY]) == 1
     [failure] = result.get_step_failure_events()
     description = failure.step_failure_data.user_failure_data.description
     assert f"127.0.0.1:{port}/kb" in description and "check DATABASE_URL" in description

@@ -242,7 +242,16 @@ _ready: set[str] = set()  # databases whose schema this process found current (c
 
 
 class DatabaseUnavailable(RuntimeError):
-    """The configured database cannot serve kb (unreachable, or without pgvector): a configuration problem."""
+    """The configured database cannot serve kb (unreachable, or without pgvector): a configuration problem, or,
+    when `may_pass` (the server did not answer), possibly one that a restart of it ends."""
+
+    may_pass = False
+
+
+class ServerNotAnswering(DatabaseUnavailable):
+    """A connection was refused or timed out: a wrong DATABASE_URL, or a server restarting."""
+
+    may_pass = True
 
 
 class SchemaNotReady(DatabaseUnavailable):
@@ -282,8 +291,8 @@ def _connection(settings: Settings, url: str, **options) -> Iterator[psycopg.Con
     try:
         conn = psycopg.connect(url, autocommit=True, connect_timeout=10, **options)
     except psycopg.OperationalError as exc:
-        raise DatabaseUnavailable(f"cannot connect to PostgreSQL at {location(settings)}: {' '.join(str(exc).split())};"
-                                  " check DATABASE_URL, or unset it to use kb's embedded server") from None
+        raise ServerNotAnswering(f"cannot connect to PostgreSQL at {location(settings)}: {' '.join(str(exc).split())};"
+                                 " check DATABASE_URL, or unset it to use kb's embedded server") from None
     try:
         yield conn
     finally:
