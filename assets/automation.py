@@ -13,6 +13,7 @@
 """
 
 import json
+import logging
 import os
 import re
 from collections.abc import Callable, Iterable
@@ -27,6 +28,9 @@ from assets.namespace import DEFAULT, Namespace
 from assets.partitions import partition_changes
 from assets.resources import KnowledgeBase
 
+log = logging.getLogger(__name__)
+
+
 def build_jobs(ns: Namespace, flow: dg.AssetsDefinition,
                maintenance: list[dg.AssetsDefinition]) -> list:
     """ingest, reembed and reembed_on_dask, named in `ns`."""
@@ -38,7 +42,7 @@ def build_jobs(ns: Namespace, flow: dg.AssetsDefinition,
                             description="Crawl one source and bring its part of the knowledge base up to date. One"
                                         " step: its documents go to the deployment's workers."),
         dg.define_asset_job(ns.name("reembed"), selection=backfill, tags={"kb/job": "backfill"},
-                            description="Build the configured model's vectors over 16 hash shards, then switch."),
+                            executor_def=local_executor, description="Build the configured model's vectors over 16 hash shards, then switch."),
         dg.define_asset_job(ns.name("reembed_on_dask"), selection=backfill, tags={"kb/job": "backfill"},
                             executor_def=deployment_dask,
                             description="reembed, its 16 shards on the deployment's dask cluster"
@@ -166,11 +170,20 @@ def _upstreams(context: dg.SensorEvaluationContext, kb: KnowledgeBase, ns: Names
     return requests
 
 
-def source_schedules(ns: Namespace, crons: dict[str, str]) -> list[dg.ScheduleDefinition]:
+def source_schedules(ns: Namespace, crons: dict[str, str]) -> dict[str, dg.ScheduleDefinition]:
     """A schedule per source declared when the code location loaded, on its cron (`crons`: source -> cron): what
     Dagster users look for on the Automation page, with its next tick. A source declared or given another cron since
-    is the scheduled_refresh sensor's until the next load; its schedule then skips, saying why."""
-    return [_source_schedule(ns, source_id, cron) for source_id, cron in sorted(crons.items())]
+    is the scheduled_refresh sensor's until the next load; its schedule then skips, saying why. A cron Dagster
+    refuses (declared before kb checked for five fields, or a KB_REFRESH_CRON) gets no schedule, with a warning, so
+    that the code location still loads: the sensor refreshes that source."""
+    schedules = {}
+    for source_id, cron in sorted(crons.items()):
+        try:
+            schedules[source_id] = _source_schedule(ns, source_id, cron)
+        except dg.DagsterInvalidDefinitionError as refused:
+            log.warning("kb: no schedule for the source %s: Dagster refuses its cron %r (%s); %s refreshes it",
+                        source_id, cron, " ".join(str(refused).split()), ns.name("scheduled_refresh"))
+    return schedules
 
 
 def schedule_name(ns: Namespace, source_id: str) -> str:

@@ -26,31 +26,34 @@ log = logging.getLogger(__name__)
 KB = KnowledgeBase()  # one resource: kb's definitions under two prefixes merge into one code location
 
 
-def kb_definitions(prefix: str = DEFAULT.prefix, group: str | None = None,
-                   resource: KnowledgeBase | None = None) -> dg.Definitions:
+def kb_definitions(prefix: str = DEFAULT.prefix, group: str | None = None, resource: KnowledgeBase | None = None,
+                   executor: dg.ExecutorDefinition | None = None) -> dg.Definitions:
     """kb's assets, checks, jobs, schedules and sensors, with asset keys under `prefix` (`kb/published_chunks`),
     jobs, schedules, sensors and partitions named with it (`kb_ingest`), in kb's groups or all in `group`, and
     `resource` as their `kb` resource (settings and secrets come from the code location's environment either way:
     assets/resources.py). Merge them into an existing code location with
-    `dg.Definitions.merge(your_defs, kb_definitions())`."""
+    `dg.Definitions.merge(your_defs, kb_definitions())`: kb's jobs name their executors, and `executor` (none
+    unless given) is the location's default, for materializations launched from the asset graph; kb's own code
+    location gives it in-process (assets/executors.py). kb takes the resource key `kb`."""
     ns = Namespace(prefix, group)
     declared = declared_at_load()
     crons = {source.source_id: source.refresh_cron or load_settings().refresh_cron for source in declared}
+    schedules = source_schedules(ns, crons)
     flow = build_ingest_flow(ns, upstream_keys(ns, declared))
     maintenance = build_maintenance(ns)
     return dg.Definitions(
         assets=[flow, *maintenance],
         jobs=[*build_jobs(ns, flow, maintenance), build_migrate_job(ns)],
-        schedules=source_schedules(ns, crons),
-        sensors=build_sensors(ns, maintenance[2], scheduled=crons),
+        schedules=list(schedules.values()),
+        sensors=build_sensors(ns, maintenance[2], scheduled={source: crons[source] for source in schedules}),
         resources={"kb": resource or KB},
-        executor=local_executor,
+        executor=executor,
     )
 
 
 @dg.definitions
 def defs() -> dg.Definitions:
-    return kb_definitions()
+    return kb_definitions(executor=local_executor)
 
 
 def declared_at_load() -> list:

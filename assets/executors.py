@@ -26,19 +26,22 @@ CLUSTER = "KB_DASK_SCHEDULER"
 
 
 def _at_most_the_cores(config: dict) -> dict:
+    """The run's choice as Dagster's executor takes it: nothing else of its config (start methods, preloaded
+    modules, retries) is the run's to set, and it forks between one process and one per core."""
     (kind, chosen), = config.items()
     if kind == "multiprocess":
         cores = os.cpu_count() or 1
-        chosen = {**chosen, "max_concurrent": min(chosen.get("max_concurrent") or cores, cores)}
-    return {kind: chosen}
+        return {kind: {"max_concurrent": max(1, min(chosen.get("max_concurrent") or cores, cores))}}
+    return {kind: {}}
 
 
 local_executor = dg.multi_or_in_process_executor.configured(
     _at_most_the_cores, name="local",
     config_schema=dg.Field(dg.Selector({
-        "in_process": dg.Field(dg.Permissive(), is_required=False, description="Every step in the run's process"),
-        "multiprocess": dg.Field(dg.Permissive(), is_required=False,
-                                 description="A process per step (max_concurrent: at most the cores)")}),
+        "in_process": dg.Field({}, is_required=False, description="Every step in the run's process"),
+        "multiprocess": dg.Field({"max_concurrent": dg.Field(int, is_required=False,
+                                                             description="at most the cores (default)")},
+                                 is_required=False, description="A process per step")}),
         default_value={"in_process": {}}))
 
 @dg.executor(name="deployment_dask", config_schema={}, requirements=dg.multiple_process_executor_requirements())

@@ -96,6 +96,7 @@ def build_ingest_flow(ns: Namespace, upstreams: list[dg.AssetKey] = ()) -> dg.As
 def refresh(context: dg.AssetExecutionContext, kb: KnowledgeBase, config: CrawlConfig, ns: Namespace) -> Iterator:
     """The selected stages of the flow over the partitions' sources, in one run that owns their locks."""
     from pipelines.ingest.golden import GateFailed
+    from pipelines.ingest.workers import WorkersUnavailable
     from pipelines.sources.declarations import DeclarationError, load_sources
 
     source_ids = sorted(context.partition_keys)
@@ -117,6 +118,8 @@ def refresh(context: dg.AssetExecutionContext, kb: KnowledgeBase, config: CrawlC
                              allow_retries=False) from None
         except DeclarationError as declared:
             raise dg.Failure(description=str(declared), allow_retries=False) from None
+        except WorkersUnavailable as unavailable:  # the cluster may be restarting: the retry policy tries again
+            raise dg.Failure(description=str(unavailable)) from None
 
 
 def _stages(context: dg.AssetExecutionContext, conn, kb: KnowledgeBase, config: CrawlConfig,
@@ -143,13 +146,10 @@ def _stages(context: dg.AssetExecutionContext, conn, kb: KnowledgeBase, config: 
             yield dg.MaterializeResult(asset_key=ns.key(stage.asset),
                                        metadata=stage_metadata(conn, stage, report, source_ids, kb.embedder))
             if stage.gated:
-                yield from _checked(context, conn, kb, ns, report.notes.get("gate", NOTHING_PUBLISHED))
+                yield from _checked(context, conn, kb, ns, report.notes.get("gate"))
 
 
 ingest_flow = build_ingest_flow(DEFAULT)
-
-
-NOTHING_PUBLISHED = {}  # a refresh that changed nothing: what serves was checked when it was published
 
 
 def _checked(context: dg.AssetExecutionContext, conn, kb: KnowledgeBase, ns: Namespace,
@@ -167,19 +167,15 @@ def _checked(context: dg.AssetExecutionContext, conn, kb: KnowledgeBase, ns: Nam
 def _evaluations(context: dg.AssetExecutionContext, conn, kb: KnowledgeBase, ns: Namespace,
                  gate: dict | None = None) -> list[dg.AssetCheckEvaluation]:
     """One evaluation per selected check and source partition. `gate` is what the run measured inside its publishing
-    transaction, NOTHING_PUBLISHED when the refresh changed nothing (what serves was measured when it was published:
-    not measured again, a no-op refresh stays cheap), None when the checks run alone: the golden sets are then
-    measured on what serves now."""
+    transaction; without one (the run published nothing, or the checks run alone) the golden sets are measured on what
+    serves now: the golden set, the floor or the model may have changed since it was published."""
     from pipelines.ingest.checks import unsearchable_chunks
     from pipelines.ingest.golden import golden_gate
 
     source_ids, selected = sorted(context.partition_keys), context.selected_asset_check_keys
     golden, searchable = check_specs(ns)
     evaluations = []
-    if golden.key in selected and gate is NOTHING_PUBLISHED:
-        evaluations += [_evaluation(golden, source_id, passed=True, description="nothing was published: what serves"
-                                    " is the version checked when it was published") for source_id in source_ids]
-    elif golden.key in selected:
+    if golden.key in selected:
         where = "on the refresh, inside its publishing transaction" if gate else "on what serves now"
         measured = gate or golden_gate(conn, kb.settings, source_ids)
         evaluations += [_golden(golden, source_id, measured["sources"][source_id], where) for source_id in source_ids]

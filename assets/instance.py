@@ -58,12 +58,7 @@ class KbStorage(DagsterPostgresStorage):
 
     @classmethod
     def from_config_value(cls, inst_data, config_value) -> "KbStorage":
-        storage = cls(postgres_url=config_value.get("postgres_url") or _kb_storage_url(), inst_data=inst_data)
-        # dagster-postgres opens a connection per statement unless told otherwise; a run writes some forty events, so
-        # every process keeps one pooled connection per storage, as the webserver does (bench/README.md, issue 30).
-        for part in (storage.run_storage, storage.event_log_storage, storage.schedule_storage):
-            part.optimize_for_webserver(statement_timeout=0, pool_recycle=3600, max_overflow=4)
-        return storage
+        return cls(postgres_url=config_value.get("postgres_url") or _kb_storage_url(), inst_data=inst_data)
 
 
 class InstanceUnavailable(click.ClickException):

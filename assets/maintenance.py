@@ -19,8 +19,8 @@ from pipelines.ingest.flow import FLOW
 MAINTENANCE = "maintenance"
 
 
-def _shard_op(shard: str) -> dg.OpDefinition:
-    @dg.op(name=f"embed_shard_{shard}", ins={"after": dg.In(dg.Nothing)}, out=dg.Out(dg.Nothing),
+def _shard_op(ns: Namespace, shard: str) -> dg.OpDefinition:
+    @dg.op(name=ns.name(f"embed_shard_{shard}"), ins={"after": dg.In(dg.Nothing)}, out=dg.Out(dg.Nothing),
            retry_policy=dg.RetryPolicy(max_retries=2, delay=10), tags={"kb/shard": shard})
     def embed_shard(context: dg.OpExecutionContext, kb: KnowledgeBase) -> None:
         """The missing vectors of texts whose hash starts with this hex digit (resumable: a re-run embeds only what
@@ -39,10 +39,6 @@ def _shard_op(shard: str) -> dg.OpDefinition:
     return embed_shard
 
 
-SHARD_OPS = [_shard_op(shard) for shard in SHARDS]
-
-
-@dg.op(ins={"shards": dg.In(dg.Nothing)}, out=dg.Out(dg.Nothing))
 def backfill_summary(context: dg.OpExecutionContext, kb: KnowledgeBase) -> None:
     """Checks that no shard left a text without a vector, and sums up what the shards did and where they ran."""
     from pipelines.ingest.embed import missing_by_shard
@@ -56,7 +52,7 @@ def backfill_summary(context: dg.OpExecutionContext, kb: KnowledgeBase) -> None:
     # A shard whose worker died may have run twice (dask hands it to another worker): count shards once, work twice.
     outputs = [(e.step_key, e.dagster_event.event_specific_data.metadata)
                for e in context.instance.all_logs(context.run_id, of_type=dg.DagsterEventType.STEP_OUTPUT)
-               if e.dagster_event and ".embed_shard_" in (e.step_key or "")]
+               if e.dagster_event and "embed_shard_" in (e.step_key or "")]
     workers = sorted({m["worker"].value for _, m in outputs if "worker" in m})
     context.add_output_metadata({"computed": sum(m["computed"].value for _, m in outputs if "computed" in m),
                                  "shards_done": len({key for key, _ in outputs}),
@@ -67,6 +63,10 @@ def backfill_summary(context: dg.OpExecutionContext, kb: KnowledgeBase) -> None:
 def build_maintenance(ns: Namespace) -> list[dg.AssetsDefinition]:
     """model_backfill -> active_model, and stale_documents, in `ns`."""
     group = ns.group_of(MAINTENANCE)
+    # Op names are shared by a whole code location: each namespace has its own.
+    shard_ops = [_shard_op(ns, shard) for shard in SHARDS]
+    summary = dg.op(name=ns.name("backfill_summary"), ins={"shards": dg.In(dg.Nothing)},
+                    out=dg.Out(dg.Nothing))(backfill_summary)
 
     @dg.graph_asset(key=ns.key("model_backfill"), group_name=group, kinds={"onnx", "pgvector"}, owners=OWNERS,
                     ins={"published_chunks": dg.AssetIn(key=ns.key(PUBLISHED), dagster_type=dg.Nothing,
@@ -74,7 +74,7 @@ def build_maintenance(ns: Namespace) -> list[dg.AssetsDefinition]:
     def model_backfill(published_chunks):
         """Vectors of the configured model for every live chunk, built beside the serving ones in 16 shards that
         an executor runs in parallel."""
-        return backfill_summary([shard_op(published_chunks) for shard_op in SHARD_OPS])
+        return summary([shard_op(published_chunks) for shard_op in shard_ops])
 
     @dg.asset(key=ns.key("active_model"), deps=[model_backfill], group_name=group, kinds={"postgres"},
               owners=OWNERS)

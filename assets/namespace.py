@@ -9,16 +9,26 @@ DEFAULT's names.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from functools import cached_property
 
 import dagster as dg
+
+# Letters and digits: with no "_" of its own, a prefix ends at the first "_" of a name, so two prefixes never make
+# the same name (kb + refresh_x vs kb_refresh + x would).
+PREFIX = re.compile(r"[A-Za-z][A-Za-z0-9]*")
 
 
 @dataclass(frozen=True)
 class Namespace:
     prefix: str = "kb"
     group: str | None = None  # None: kb's own groups
+
+    def __post_init__(self) -> None:
+        if not PREFIX.fullmatch(self.prefix):
+            raise ValueError(f"kb's prefix {self.prefix!r} must be letters and digits, starting with a letter: it"
+                             " begins kb's asset keys and the names of its jobs, schedules, sensors and partitions")
 
     def key(self, name: str) -> dg.AssetKey:
         return dg.AssetKey([self.prefix, name])

@@ -40,10 +40,11 @@ def execute(job_name: str, instance: dg.DagsterInstance, partition: str | None =
                                 tags={**tags, "kb/started_by": "kb-dagster", "kb/command": command})
     except dg.DagsterInvalidConfigError as refused:  # before a run exists
         return Outcome(None, False, " ".join(str(refused).split()))
-    except dg.Failure as refused:  # the run exists, but its executor refused to start (assets/executors.py)
-        run, = instance.get_runs(dg.RunsFilter(tags={"kb/command": command}))
-        instance.report_run_failed(run)
-        return Outcome(run.run_id, False, refused.description)
+    except dg.Failure as refused:  # its executor refused to start (assets/executors.py), after the run was made
+        runs = instance.get_runs(dg.RunsFilter(tags={"kb/command": command}))
+        for run in runs:
+            instance.report_run_failed(run)
+        return Outcome(runs[0].run_id if runs else None, False, refused.description)
     events = result.all_events
     failure = next((_why(e.step_failure_data) for e in events if e.is_step_failure), None) or next(
         (_run_failure(e.job_failure_data) for e in events if e.event_type == dg.DagsterEventType.RUN_FAILURE), None)

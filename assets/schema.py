@@ -6,12 +6,13 @@ indexes for minutes); they name the pending files until this job, or `kb migrate
 
 import dagster as dg
 
+from assets.executors import local_executor
 from assets.namespace import DEFAULT, Namespace
 from assets.resources import KnowledgeBase
 
 
-@dg.op(description="Install or upgrade kb's schema (pipelines/storage/migrations.py).")
 def migrate_schema(context: dg.OpExecutionContext, kb: KnowledgeBase) -> list[str]:
+    """Install or upgrade kb's schema (pipelines/storage/migrations.py), logging what and how long."""
     from pipelines.storage.database import location, upgrade_schema
     from pipelines.storage.migrations import RATES, duration, estimate
 
@@ -28,10 +29,13 @@ def migrate_schema(context: dg.OpExecutionContext, kb: KnowledgeBase) -> list[st
 
 
 def build_migrate_job(ns: Namespace) -> dg.JobDefinition:
+    """The job and its op, both named in `ns` (op names are shared by a whole code location)."""
+    migrate = dg.op(name=ns.name("migrate_schema"), description=migrate_schema.__doc__)(migrate_schema)
+
     @dg.job(name=ns.name("migrate"), tags={"kb/job": "schema"},
-            description="Install or upgrade kb's schema (`kb migrate`).")
+            description="Install or upgrade kb's schema (`kb migrate`).", executor_def=local_executor)
     def migrate_job():
-        migrate_schema()
+        migrate()
 
     return migrate_job
 

@@ -1211,7 +1211,8 @@ def dagster_reembed(dask, as_json) -> None:
     _declare_cluster(dask)
     with _dagster_instance() as (_, instance):
         outcome = execute(DEFAULT.name("reembed_on_dask" if dask else "reembed"), instance)
-    summary = next((output for step, output in outcome.outputs.items() if step.endswith(".backfill_summary")), {})
+    summary = next((output for step, output in outcome.outputs.items()
+                    if step.endswith(DEFAULT.name("backfill_summary"))), {})
     data = {"run_id": outcome.run_id, "success": outcome.success, "failure": outcome.failure, **summary}
     text = (f"reembed: run {(outcome.run_id or 'refused')[:8]} " + ("succeeded" if outcome.success else "FAILED")
             + (f": {summary['shards_done']} shards in {len(summary['workers'])} worker process"
@@ -1255,7 +1256,8 @@ def _checkout(start: Path) -> Path:
 
     start = start.resolve()
     return next((folder for folder in (start, *start.parents)
-                 if (folder / "workspace.yaml").is_file() and (folder / "assets" / "definitions.py").is_file()),
+                 if all((folder / marker).is_file() for marker in ("workspace.yaml", "assets/definitions.py",
+                                                                   "pipelines/cli.py"))),
                 REPO_ROOT)
 
 

@@ -12,6 +12,7 @@ from datetime import datetime, timedelta, timezone
 from pathlib import Path
 
 import dagster as dg
+import pytest
 
 from assets.automation import (SENSORS, ingest_job, kb_automation, scheduled_refresh, scheduled_refresh_sensor,
                                source_change_sensor, upstream_refresh)
@@ -260,6 +261,39 @@ def test_each_source_declared_at_load_has_its_schedule_and_the_sensor_takes_the_
     context = dg.build_sensor_context(instance=instance, cursor=(now - timedelta(hours=1)).isoformat(),
                                       resources=resources)
     assert sorted(r.partition_key for r in sensor(context)) == ["later", "nightly"]  # hourly is its schedule's
+
+
+def test_a_cron_dagster_refuses_never_takes_the_code_location_down(conn, tmp_path, caplog):
+    """A six-field cron (croniter reads seconds, Dagster's schedules do not) is refused when declared; one stored
+    before that check gets no schedule, a warning, and the sensor's refreshes: the code location still loads."""
+    from pipelines.sources.declarations import DeclarationError
+
+    with pytest.raises(DeclarationError, match="five fields"):
+        declare("odd", tmp_path, refresh_cron="0 3 * * * 30")
+    add_source(conn, declare("odd", tmp_path, refresh_cron="0 3 * * *"), "tests")
+    conn.execute("UPDATE sources SET refresh_cron = '0 3 * * * 30' WHERE source_id = 'odd'")  # an older declaration
+    loaded = defs()
+    dg.Definitions.validate_loadable(loaded)
+    assert list(loaded.schedules) == [] and "no schedule for the source odd" in caplog.text
+
+
+def test_a_refresh_that_changes_nothing_still_holds_the_source_to_its_golden_set(conn, instance, tmp_path):
+    """The golden set (or the floor, or the model) may change while the documents do not: a no-op refresh measures
+    what serves against it, and says so."""
+    golden = tmp_path / "golden.jsonl"
+    golden.write_text(json.dumps({"query": "okapi forest", "document": "notes:okapi.md"}) + "\n")
+    add_source(conn, declare("notes", one_note(tmp_path), golden_set=golden), "tests")
+    instance.add_dynamic_partitions(SOURCES, ["notes"])
+
+    def refresh():
+        return dg.materialize([ingest_flow], resources={"kb": KnowledgeBase()}, instance=instance,
+                              partition_key="notes", raise_on_error=False)
+
+    assert refresh().success
+    golden.write_text(json.dumps({"query": "okapi forest", "document": "notes:elsewhere.md"}) + "\n")
+    again = refresh()
+    check = checks_by_partition(again)["golden_set_hit_rate", "notes"]
+    assert not check.passed and "on what serves now" in check.description and not again.success
 
 
 def test_a_cli_run_is_visible_in_the_instance_with_the_assets_metadata(conn, instance, tmp_path):

@@ -52,14 +52,25 @@ def test_kb_works_on_a_plain_instance_in_dagster_home(settings, tmp_path, monkey
 
 
 def users_definitions() -> dg.Definitions:
-    """A team's own code location, with names kb's assets and jobs once had."""
+    """A team's own code location: names kb's assets, jobs and ops once had, and an executor of its own."""
 
     @dg.asset
     def source_documents() -> int:
         return 1
 
-    return dg.Definitions(assets=[source_documents],
-                          jobs=[dg.define_asset_job("ingest", selection=[source_documents])])
+    @dg.op
+    def migrate_schema() -> None: ...
+
+    @dg.op
+    def backfill_summary() -> None: ...
+
+    @dg.job
+    def housekeeping():
+        migrate_schema()
+        backfill_summary()
+
+    return dg.Definitions(assets=[source_documents], executor=dg.multiprocess_executor,
+                          jobs=[dg.define_asset_job("ingest", selection=[source_documents]), housekeeping])
 
 
 def test_kb_joins_an_existing_code_location_under_its_prefix_and_groups(conn):
@@ -75,6 +86,10 @@ def test_kb_joins_an_existing_code_location_under_its_prefix_and_groups(conn):
     assert {graph.get(key).group_name for key in graph.get_all_asset_keys() if key.path[0] == "kb"} == {
         "ingestion", "embeddings", "maintenance"}
     assert {job.name for job in merged.jobs} >= {"ingest", "kb_ingest", "search_ingest", "search_reembed"}
+    assert merged.resolve_job_def("kb_reembed").executor_def.name == "local"  # kb's jobs keep theirs
+    assert merged.resolve_job_def("housekeeping").executor_def is dg.multiprocess_executor  # the team's keeps its own
+    with pytest.raises(ValueError, match="letters and digits"):
+        kb_definitions(prefix="kb_refresh")  # kb + refresh_x and kb_refresh + x would make the same name
 
 
 def test_a_refresh_under_another_prefix_materializes_that_prefixs_assets(conn, instance):

@@ -254,8 +254,10 @@ def _cron(expression: str | None) -> str | None:
         return None
     from croniter import croniter
 
-    if not isinstance(expression, str) or not croniter.is_valid(expression):
-        raise DeclarationError(f"refresh_cron {expression!r} is not a valid cron expression")
+    # Five fields, as Dagster's schedules take them (croniter alone also accepts a sixth, for seconds).
+    if not isinstance(expression, str) or len(expression.split()) != 5 or not croniter.is_valid(expression):
+        raise DeclarationError(f"refresh_cron {expression!r} is not a cron expression of five fields"
+                               " (minute hour day month weekday, e.g. '0 3 * * *')")
     return expression
 
 
