@@ -34,7 +34,9 @@ def kb_definitions(prefix: str = DEFAULT.prefix, group: str | None = None, resou
     assets/resources.py). Merge them into an existing code location with
     `dg.Definitions.merge(your_defs, kb_definitions())`: kb's jobs name their executors, and `executor` (none
     unless given) is the location's default, for materializations launched from the asset graph; kb's own code
-    location gives it in-process (assets/executors.py). kb takes the resource key `kb`."""
+    location gives it in-process (assets/executors.py). kb takes the resource key `kb`. One prefix per knowledge
+    base: two prefixes in one code location share its database (and would each refresh its sources); kb's own
+    commands (`kb ingest`, `kb dagster ...`) record under the default prefix."""
     ns = Namespace(prefix, group)
     declared = declared_at_load()
     crons = {source.source_id: source.refresh_cron or load_settings().refresh_cron for source in declared}
