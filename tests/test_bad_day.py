@@ -126,7 +126,7 @@ def test_an_unmounted_or_emptied_source_deletes_nothing_until_confirmed(settings
     refresh = dg.materialize([ingest_flow], resources={"kb": KnowledgeBase()}, instance=instance, partition_key="samples")
     assert refresh.success and len(live_texts(settings, "handbook/leave-policy.md")) == 8  # a refresh neither
     confirmed = dg.materialize([ingest_flow], resources={"kb": KnowledgeBase()}, instance=instance, partition_key="samples",
-                               run_config={"ops": {"ingest_flow": {"config": {"allow_deletions": True}}}})
+                               run_config={"ops": {"kb_ingest_flow": {"config": {"allow_deletions": True}}}})
     assert confirmed.success and live_texts(settings, "handbook/leave-policy.md") == []
     assert failing() == {}
 
