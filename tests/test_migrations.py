@@ -375,6 +375,6 @@ def test_the_dagster_migrate_job_upgrades_a_behind_schema(settings, tmp_path, in
 
     todo = _behind(settings, tmp_path)
     result = migrate_job.execute_in_process(instance=instance, resources={"kb": KnowledgeBase()})
-    assert result.success and result.output_for_node("migrate_schema") == todo
+    assert result.success and result.output_for_node("kb_migrate_schema") == todo
     logged = [entry.user_message for entry in instance.all_logs(result.run_id)]
     assert any(message.startswith("estimate: ") for message in logged) and _applied(settings)[-1] == migration_files()[-1][0]
