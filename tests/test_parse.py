@@ -277,17 +277,19 @@ def test_the_parser_version_is_kbs_recipe_and_the_installed_unstructured_shown_a
     import sys
     from importlib.metadata import version
 
-    from assets.ingestion import SPECS
+    from assets.ingestion import specs
+    from assets.namespace import DEFAULT
     from pipelines.ingest.parse import PARSE_RECIPE, PARSER_VERSION
 
-    parsed_elements = next(spec for spec in SPECS if spec.key.path == ["parsed_elements"])
+    parsed_elements = next(spec for spec in specs(DEFAULT) if spec.key.path == ["kb", "parsed_elements"])
     assert parsed_elements.code_version == PARSER_VERSION
     assert PARSER_VERSION == f"{PARSE_RECIPE}+unstructured-{version('unstructured')}"
     # Another unstructured installed (its metadata read at import, unstructured itself not imported): another version.
     code = ("import importlib.metadata as m, sys\nreal = m.version\n"
             "m.version = lambda name: '99.1.0' if name == 'unstructured' else real(name)\n"
-            "from assets.ingestion import SPECS\n"
-            "print(next(s.code_version for s in SPECS if s.key.path == ['parsed_elements']), 'unstructured' in sys.modules)")
+            "from assets.ingestion import specs\nfrom assets.namespace import DEFAULT\n"
+            "print(next(s.code_version for s in specs(DEFAULT) if s.key.path == ['kb', 'parsed_elements']),"
+            " 'unstructured' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == [f"{PARSE_RECIPE}+unstructured-99.1.0", "False"]
