@@ -1290,7 +1290,10 @@ def _run_own_session(command: list[str], cwd: Path, env: dict[str, str]) -> int:
     import subprocess
     from contextlib import suppress
 
-    signal.signal(signal.SIGTERM, signal.default_int_handler)  # SIGTERM stops it as Ctrl-C does
+    # SIGTERM stops it as Ctrl-C does; and Ctrl-C does even when kb was started with SIGINT ignored (a shell's
+    # background job, a CI runner), which Python would otherwise keep ignoring.
+    for stop in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(stop, signal.default_int_handler)
     process = subprocess.Popen(command, cwd=cwd, env=env, start_new_session=True)
     try:
         process.wait()
