@@ -40,6 +40,8 @@ def stage_metadata(conn: psycopg.Connection, stage: Stage, report: StageReport, 
                                                            for source_id, crawl in report.notes["sources"].items()))
     if report.notes.get("workers"):  # the parse stage: documents each worker parsed
         metadata["workers"] = dg.MetadataValue.json(report.notes["workers"])
+    if report.notes.get("calibrations"):  # the calibrate stage: each scope fitted, or why not
+        metadata["calibrations"] = dg.MetadataValue.json(report.notes["calibrations"])
     if stage.name == "embed":
         metadata["model"] = dg.MetadataValue.text(embedder.model_key)
     if stage.gated:

@@ -25,25 +25,22 @@ from pathlib import Path
 
 import numpy as np
 
+from pipelines.answers.calibration import fit_logistic
+from pipelines.answers.evidence import FEATURES
+
 
 def collect(dataset: Path) -> list[dict]:
-    from pipelines.answers import evidence as ev
-    from pipelines.answers.answer import (
-        EXTRACT_CONTEXTS,
-        _contexts,
-        _read_contexts,
-        code_holders,
-        ranked_sentences,
-        weigh,
-    )
+    from pipelines.answers.answer import gather
+    from pipelines.answers.asked import asked
+    from pipelines.answers.calibration import DEFAULT
     from pipelines.evaluation.evaluate import (
         _ingest_corpus,
         _is_gold,
         holds_answer,
         load_answer_set,
     )
-    from pipelines.retrieval.responses import query_embedder, retrieve
-    from pipelines.retrieval.readable import readable
+    from pipelines.retrieval.responses import query_embedder
+    from pipelines.retrieval.search import Filters, embed_query
     from pipelines.settings import load_settings
     from pipelines.storage.database import connect, ensure_database
     from pipelines.storage.database import database_url as server_url
@@ -56,36 +53,19 @@ def collect(dataset: Path) -> list[dict]:
     with connect(settings) as conn:
         _ingest_corpus(conn, settings, f"answers-{name}", dataset / "corpus.jsonl", None)
         embedder = query_embedder(conn, settings)
-        keys = readable(conn, []).keys
         for case in load_answer_set(dataset / "questions.jsonl"):
-            query_class, hits = retrieve(conn, settings, case["question"], 5, mode="qa_first")
-            contexts = _contexts(conn, hits)
-            terms = ev.question_terms(conn, case["question"], keys)
-            lexemes = _read_contexts(conn, contexts, terms)
-            held = code_holders(contexts, query_class.identifiers, ev.question_codes(case["question"]))
-            candidates = ranked_sentences(embedder, embedder.embed([case["question"]])[0],
-                                          contexts[:EXTRACT_CONTEXTS], terms, lexemes)
-            found = weigh(contexts, query_class.identifiers, held, candidates)
+            found = gather(conn, settings, embedder, asked(case["question"]), 5, mode="qa_first", filters=Filters(),
+                           rerank=True, calibration=DEFAULT, message_vector=embed_query(embedder, case["question"]))
+            contexts, held, candidates = found.contexts, found.held, found.ranked
+            found = found.found
             gold = {c.n for c in contexts if _is_gold(c.document, case["passages"])}
             rows.append({"id": case["id"], "group": case["group"],
-                         "features": [found[f] for f in ("dense", "lexical", "lexical_of_dense_top", "best_sentence")],
+                         "features": [found[f] for f in FEATURES],
                          "code_held": bool(held),
                          "candidates": [{"features": c.features(), "gold_passage": c.context in gold,
                                          "gold": c.context in gold and holds_answer(c.text, case["answers"])}
                                         for c in candidates]})
     return rows
-
-
-def fit_logistic(x: np.ndarray, y: np.ndarray, ridge: float = 1e-3, steps: int = 50) -> np.ndarray:
-    """Logistic regression by Newton's method (bias first)."""
-    x = np.hstack([np.ones((len(x), 1)), x])
-    w = np.zeros(x.shape[1])
-    for _ in range(steps):
-        p = 1 / (1 + np.exp(-x @ w))
-        gradient = x.T @ (p - y) + ridge * w
-        hessian = (x * (p * (1 - p))[:, None]).T @ x + ridge * np.eye(len(w))
-        w -= np.linalg.solve(hessian, gradient)
-    return w
 
 
 def probabilities(rows: list[dict], weights) -> np.ndarray:

@@ -394,6 +394,12 @@ def status(as_json) -> None:
             + (f"\n  last crawl: {crawl_line(s['last_crawl'])}" if s["last_crawl"] else "") for s in data["sources"]]
     text += [f"failing: {f['source_id']}:{_shown(f['locator'])}: {_shown(f['reason'])}" for f in data["failures"]]
     text.append(f"models: {', '.join(m['model_key'] + ' (' + m['state'] + ')' for m in data['models']) or 'none'}")
+    text += [f"answer calibration ({c['model_key']}, {c['scope']} sources): answers at confidence {c['answer_at']},"
+             f" fitted {_when(c['fitted_at'])} on {c['chunks']} chunks; of its probes it answers"
+             f" {c['report']['answered']['answerable']:.0%} answerable, refuses {c['report']['refused']['off_topic']:.0%}"
+             f" off-topic and {c['report']['refused'].get('near_miss', 0):.0%} near misses"
+             for c in data["answer_calibrations"]] or ["answer calibration: none (the default weights serve; a"
+                                                       " refresh fits one once a scope has 20 chunks)"]
     if run := data["last_run"]:
         text.append(f"last run: #{run['run_id']} started by {run['started_by']} at {_when(run['started_at'])},"
                     f" {'finished ' + _when(run['finished_at']) if run['finished_at'] else 'not finished'}")

@@ -136,7 +136,8 @@ def scripted_chat(citing: str = "best") -> "Callable[[str], str]":
     - card prompts: one card per passage, its first sentence as the answer;
     - answer prompts: the context sharing most words with the question, its first sentence, cited as [n], or
       NOT_FOUND when no context holds three fifths of the question's words (compared by their first five letters);
-    - HyDE prompts: a short passage made of the question's words.
+    - HyDE prompts: a short passage made of the question's words;
+    - a question kb says asks yes or no: "Yes." as a sentence of its own, uncited, before the cited sentence.
     `citing` makes it misbehave the way small models do: "missing" cites [99], "none" cites nothing, "wrong" cites
     the next context instead of the right one, "all" cites every context (the prompt's "[1], [2] and so on"),
     "label" copies a source label from nowhere into the sentence, "prose" always declines in prose ("The answer is
@@ -164,7 +165,8 @@ def scripted_chat(citing: str = "best") -> "Callable[[str], str]":
         _, n, text = scored[0]
         sentence = re.split(r"(?<=[.!?])\s+", text)[0]
         others = [int(m) for m, _ in contexts if int(m) != n]
-        return sentence + {"best": f" [{n}]", "missing": " [99]", "none": "",
+        verdict = "Yes. " if "asks yes or no" in prompt else ""  # the verdict alone, uncited, as models write it
+        return verdict + sentence + {"best": f" [{n}]", "missing": " [99]", "none": "",
                            "wrong": f" [{others[0] if others else n}]",
                            "all": " " + ", ".join(f"[{m}]" for m, _ in contexts),
                            "label": f" [hr:salaries.md, Bands] [{n}]"}[citing]

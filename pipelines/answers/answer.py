@@ -27,8 +27,11 @@ from dataclasses import asdict, dataclass, field
 
 import numpy as np
 import psycopg
+from psycopg import sql
 
 from pipelines.answers import evidence as ev
+from pipelines.answers.asked import Asked, asked
+from pipelines.answers.calibration import DEFAULT, Calibration, current
 from pipelines.answers.citations import validate_citations
 from pipelines.ingest.sentences import split_sentences
 from pipelines.models.chat import ChatNotConfigured, complete, openai_client
@@ -44,6 +47,10 @@ EXTRACT_MARGIN = 1.0  # a second sentence of the best one's context joins it wit
 PROMPT = ("Answer the question using only the numbered contexts below. After every sentence, cite the contexts it "
           "relies on as [1], [2] and so on. Do not add anything the contexts do not say. If the contexts do not "
           f"contain the answer, reply exactly {NOT_FOUND_MARK}.\n\nQuestion: {{question}}\n\nContexts:\n{{contexts}}")
+# A yes/no question: the verdict first, then the conditions it depends on, each sentence cited as always.
+YES_NO_PROMPT = ("\n\nThe question asks yes or no: begin with Yes or No, then give the conditions it depends on and"
+                 " the sentence of the contexts that decides it, citing it.")
+YES_OR_NO = re.compile(r"^\W*(yes|no)\b[\s,.:;!-]*", re.I)
 HYDE_PROMPT = "Write a short passage, two or three sentences, that answers this question: {question}"
 CITATION = re.compile(r"\[(\d+(?:\s*,\s*\d+)*)\]")
 # A run of citation marks: "[1]", "[1, 2]", "[1][2]", "[1], [2] and [3]" (a model copying the prompt's "[1], [2]").
@@ -75,53 +82,115 @@ class Context:
         return f"[{where}, {self.section}]" if self.section else f"[{where}]"
 
 
+@dataclass
+class Gathered:
+    """What a question's answer is decided and written from: its contexts, their sentences ranked, the evidence."""
+    contexts: list[Context]
+    lexemes: dict[str, set[str]]
+    held: list[int]  # the contexts the code rule answers from
+    ranked: list[ev.Candidate]
+    found: dict  # weigh's verdict
+
+
+class _Remembering:
+    """An embedder that embeds each text once (a calibration's probes meet the same sentences again and again)."""
+
+    def __init__(self, embedder):
+        self.embedder, self.model_key, self.known = embedder, embedder.model_key, {}
+
+    def embed(self, texts: list[str]) -> np.ndarray:
+        todo = list(dict.fromkeys(t for t in texts if t not in self.known))
+        if todo:
+            self.known.update(zip(todo, self.embedder.embed(todo)))
+        return np.array([self.known[t] for t in texts])
+
+
+def gather(conn: psycopg.Connection, settings: Settings, embedder, asked: Asked, k: int, *, mode: str,
+           filters: Filters, rerank: bool, calibration: Calibration, message_vector: np.ndarray,
+           vector: np.ndarray | None = None, compress: bool = False) -> Gathered:
+    """Retrieve with the whole message (its situation names the case), then weigh the evidence on its question:
+    the contexts' cosine to the question, the share of the question's rare words they hold, their best sentence."""
+    from pipelines.retrieval.responses import retrieve
+
+    query_class, hits = retrieve(conn, settings, asked.message, k, mode=mode, filters=filters, rerank=rerank,
+                                 vector=message_vector if vector is None else vector)
+    contexts = _contexts(conn, hits)
+    focus = message_vector
+    if asked.situation:
+        focus = embed_query(embedder, asked.focus)
+        _focus_similarities(conn, embedder.model_key, contexts, focus)
+    if compress:
+        contexts = _compressed(embedder, focus, contexts)
+    terms = ev.question_terms(conn, asked.question, readable(conn, filters.groups, filters.source_id,
+                                                              filters.as_of).keys, filters.as_of)
+    lexemes = _read_contexts(conn, contexts, terms)
+    held = code_holders(contexts, query_class.identifiers, ev.question_codes(asked.question))
+    scope = [c for c in contexts if c.n <= EXTRACT_CONTEXTS or c.n in held]  # what may answer
+    ranked = ranked_sentences(embedder, focus, scope, terms, lexemes)
+    return Gathered(contexts, lexemes, held, ranked, weigh(contexts, query_class.identifiers, held, ranked,
+                                                            calibration))
+
+
+def probe_features(conn: psycopg.Connection, settings: Settings, embedder, questions: list[str],
+                   groups: list[str]) -> list[list[float]]:
+    """The evidence features (evidence.FEATURES) of each question as `answer_question` would weigh it for a caller
+    in these groups: what a calibration is fitted on (pipelines/answers/calibration.py)."""
+    remembering = _Remembering(embedder)
+    vectors = remembering.embed(questions)
+    filters = Filters(groups=list(groups))
+    return [[gather(conn, settings, remembering, asked(q), 5, mode="qa_first", filters=filters, rerank=False,
+                    calibration=DEFAULT, message_vector=v).found[f] for f in ev.FEATURES]
+            for q, v in zip(questions, vectors)]
+
+
 def answer_question(conn: psycopg.Connection, settings: Settings, question: str, k: int = 5, *, mode: str = "qa_first",
                     filters: Filters | None = None, rerank: bool = True, hyde: bool = False,
                     compress: bool = False) -> dict:
-    from pipelines.retrieval.responses import query_embedder, retrieve
+    from pipelines.retrieval.responses import query_embedder
 
     timings: dict[str, float] = {}
     started = time.perf_counter()
     filters = filters or Filters()
     embedder = query_embedder(conn, settings)
     client = openai_client(settings) if settings.chat_model else None
-    question_vector = embed_query(embedder, question)  # once: retrieval, compression and extraction score with it
-    vector = question_vector
+    message = asked(question)
+    message_vector = embed_query(embedder, question)  # once: retrieval, compression and extraction score with it
+    vector = None
     if hyde:
         if client is None:
             raise ChatNotConfigured("HyDE needs a chat model: set KB_CHAT_MODEL")
         vector = embed_query(embedder, complete(client, settings.chat_model, HYDE_PROMPT.format(question=question)))
-    query_class, hits = retrieve(conn, settings, question, k, mode=mode, filters=filters, rerank=rerank, vector=vector)
+    calibration = current(conn, embedder.model_key, filters.groups)
+    gathered = gather(conn, settings, embedder, message, k, mode=mode, filters=filters, rerank=rerank,
+                      calibration=calibration, message_vector=message_vector, vector=vector, compress=compress)
+    contexts, lexemes, held, ranked, found = (gathered.contexts, gathered.lexemes, gathered.held, gathered.ranked,
+                                              gathered.found)
     timings["retrieve_s"] = round(time.perf_counter() - started, 3)
-    contexts = _contexts(conn, hits)
-    if compress:
-        contexts = _compressed(embedder, question_vector, contexts)
-    terms = ev.question_terms(conn, question, readable(conn, filters.groups, filters.source_id, filters.as_of).keys,
-                              filters.as_of)
-    lexemes = _read_contexts(conn, contexts, terms)
-    held = code_holders(contexts, query_class.identifiers, ev.question_codes(question))
-    scope = [c for c in contexts if c.n <= EXTRACT_CONTEXTS or c.n in held]  # what may answer
-    ranked = ranked_sentences(embedder, question_vector, scope, terms, lexemes)
-    found = weigh(contexts, query_class.identifiers, held, ranked)
-    result = {"question": question, "mode": mode, "generator": f"chat:{settings.chat_model}" if client else "extractive",
+    result = {"question": question, "asked": {"question": message.question, "situation": message.situation,
+                                              "kind": message.kind},
+              "mode": mode, "generator": f"chat:{settings.chat_model}" if client else "extractive",
               "confidence": found["confidence"], "exact_match": bool(found["code_held"]), "evidence": found,
-              "short_answer": None, "contexts": [_shown(c) for c in contexts], "timings": timings}
+              "calibration": calibration.describe(), "short_answer": None, "yes_no": None,
+              "contexts": [_shown(c) for c in contexts], "timings": timings}
     if not found["answers"]:
         return _abstain(result, contexts, found["why"])
     started = time.perf_counter()
     pool = [c for c in contexts if c.n in held] or contexts[:EXTRACT_CONTEXTS]
     if client is not None:
-        reply = complete(client, settings.chat_model, PROMPT.format(
+        prompt = PROMPT + (YES_NO_PROMPT if message.yes_no else "")
+        reply = complete(client, settings.chat_model, prompt.format(
             question=question, contexts="\n".join(f"[{c.n}] {c.label()} {c.text}" for c in contexts)))
         if DECLINES.search(reply):
             timings["generate_s"] = round(time.perf_counter() - started, 3)
             return _abstain(result, contexts, "the model found no answer in the contexts")
-        sentences, unsupported = _supported(conn, _cited_sentences(without_labels(reply), contexts), contexts,
-                                             lexemes)
+        reply = without_labels(reply)
+        if message.yes_no and (verdict := YES_OR_NO.match(reply)):
+            result["yes_no"] = verdict.group(1).lower()
+        sentences, unsupported = _supported(conn, _cited_sentences(reply, contexts), contexts, lexemes)
     else:
         sentences, unsupported = _extract(pool, ranked), []
-        if sentences:
-            result["short_answer"] = ev.short_answer(question, sentences[0][0])
+        if sentences and not message.yes_no:
+            result["short_answer"] = ev.short_answer(message.question, sentences[0][0])
     timings["generate_s"] = round(time.perf_counter() - started, 3)
     started = time.perf_counter()
     kept, removed = _verified(conn, embedder, sentences, contexts, filters)
@@ -139,6 +208,19 @@ def answer_question(conn: psycopg.Connection, settings: Settings, question: str,
     return result
 
 
+def _focus_similarities(conn: psycopg.Connection, model_key: str, contexts: list[Context], focus: np.ndarray) -> None:
+    """Each context's cosine to the question of a message with a situation (its stored vector: no embedding)."""
+    from pipelines.storage.vectors import vector_table
+
+    rows = conn.execute(sql.SQL("SELECT c.chunk_id, v.embedding FROM chunks c JOIN {} v USING (text_hash)"
+                                " WHERE c.chunk_id = ANY(%s)").format(vector_table(conn, model_key)),
+                        ([c.chunk_id for c in contexts],)).fetchall()
+    vectors = {chunk_id: np.asarray(vector.to_numpy(), dtype=np.float32) for chunk_id, vector in rows}
+    for context in contexts:
+        if context.chunk_id in vectors:
+            context.similarity = float(vectors[context.chunk_id] @ focus)
+
+
 def code_holders(contexts: list[Context], codes: list[str], asked: list[str]) -> list[int]:
     """The contexts the code rule answers from (their numbers). `codes` are the question's rare codes (the query
     classifier's identifiers), `asked` every code-shaped token in it: a context that holds every one of them,
@@ -148,23 +230,33 @@ def code_holders(contexts: list[Context], codes: list[str], asked: list[str]) ->
             and all(ev.holds_code(f"{c.section} {c.text}", code) for code in {*codes, *asked})]
 
 
-def weigh(contexts: list[Context], codes: list[str], held: list[int], ranked: list[ev.Candidate]) -> dict:
+def weigh(contexts: list[Context], codes: list[str], held: list[int], ranked: list[ev.Candidate],
+          calibration: Calibration = DEFAULT) -> dict:
     """Whether the contexts answer the question, and the evidence for it (contexts' coverage already set): the
-    calibrated confidence (evidence.confidence) over the contexts and the best sentence of the first
-    EXTRACT_CONTEXTS of them (`ranked`, best first), or the code rule (`held`, from code_holders)."""
+    calibrated confidence (calibration.py) over the contexts and the best sentence of the first EXTRACT_CONTEXTS of
+    them (`ranked`, best first), or the code rule (`held`, from code_holders)."""
     dense = max((c.similarity for c in contexts if c.similarity is not None), default=0.0)
     top = max(contexts, key=lambda c: c.similarity if c.similarity is not None else -1.0, default=None)
     lexical = max((c.coverage for c in contexts), default=0.0)
     of_top = top.coverage if top else 0.0
     best = next((c.score for c in ranked if c.context <= EXTRACT_CONTEXTS), 0.0)
-    score = ev.confidence(dense, lexical, of_top, best)
-    answers = bool(contexts) and (bool(held) or score >= ev.ANSWER_AT)
-    why = (f"the evidence that the documents answer this is too weak: confidence {score:.2f} < {ev.ANSWER_AT}"
-           f" (closest context's similarity {dense:.2f}; the contexts hold {lexical:.0%} of the question's rare"
-           " words)" + (f"; no context holds {', '.join(codes)} with the rest of the question" if codes else ""))
+    score = calibration.confidence([dense, lexical, of_top, best])
+    answers = bool(contexts) and (bool(held) or score >= calibration.answer_at)
+    weighed = (f"confidence {score:.2f} {'>=' if score >= calibration.answer_at else '<'} {calibration.answer_at}"
+               f" ({calibration.origin} calibration; closest context's similarity {dense:.2f}; the contexts hold"
+               f" {lexical:.0%} of the question's rare words)")
+    if not contexts:
+        why = "nothing readable matches the question"
+    elif held:
+        why = f"answered: a context holds {', '.join(codes)} with the rest of the question"
+    elif answers:
+        why = f"answered: {weighed}"
+    else:
+        why = (f"the evidence that the documents answer this is too weak: {weighed}"
+               + (f"; no context holds {', '.join(codes)} with the rest of the question" if codes else ""))
     return {"confidence": round(score, 4), "dense": round(dense, 4), "lexical": round(lexical, 4),
             "lexical_of_dense_top": round(of_top, 4), "best_sentence": round(best, 4), "codes": codes,
-            "code_held": held, "answers": answers, "why": why if contexts else "nothing readable matches the question"}
+            "code_held": held, "answers": answers, "why": why}
 
 
 def _shown(context: Context) -> dict:
@@ -266,7 +358,7 @@ def _supported(conn: psycopg.Connection, sentences: list[tuple[str, list[int]]],
     number, or every number copied from the prompt, is dropped; a sentence no cited context says is removed."""
     by_number = {c.n: c for c in contexts}
     context_lexemes = {c.n: set().union(lexemes[c.section], *(lexemes[s] for s in c.sentences)) for c in contexts}
-    claims = ev.lexemes(conn, [text for text, _ in sentences])
+    claims = ev.lexemes(conn, [YES_OR_NO.sub("", text) for text, _ in sentences])  # a verdict is not a claim
     kept, removed = [], []
     for (text, numbers), claim in zip(sentences, claims):
         if not numbers or any(n not in by_number for n in numbers):
@@ -283,12 +375,15 @@ def _supported(conn: psycopg.Connection, sentences: list[tuple[str, list[int]]],
 
 def _cited_sentences(reply: str, contexts: list[Context]) -> list[tuple[str, list[int]]]:
     """(sentence without its citation marks, context numbers it cites) for each sentence of the model's reply."""
-    sentences = []
+    sentences, verdict = [], ""
     for sentence in split_sentences(AFTER_THE_STOP.sub(r"\2\1", reply)):
         numbers = [int(n) for group in CITATION.findall(sentence) for n in group.split(",")]
         text = CITATIONS.sub("", sentence).strip()
-        if text:
-            sentences.append((text, numbers))
+        if not numbers and YES_OR_NO.fullmatch(text):  # "Yes." alone: the verdict of the sentence that follows
+            verdict = text.rstrip(" .!") + ", "
+        elif text:
+            sentences.append((verdict + text, numbers))
+            verdict = ""
     return sentences
 
 

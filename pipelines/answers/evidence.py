@@ -37,8 +37,12 @@ from pipelines.retrieval.query_class import CODE_LIKE, READABLE_CHUNKS, code_sha
 # about an article that is not ingested (all of them from 0.1 up). Every step down answers more answerable
 # questions and refuses fewer about left-out paragraphs, and fewer of the unanswerable questions written against
 # the very paragraph that almost answers them: 0.2 refuses half of the former and a tenth of the latter.
-CONFIDENCE_WEIGHTS = (-7.01, 1.32, -2.56, 2.79, 1.33)  # bias, dense, lexical, lexical of the dense top, best sentence
+CONFIDENCE_WEIGHTS = (-7.01, 1.32, -2.56, 2.79, 1.33)  # bias, then FEATURES
+FEATURES = ("dense", "lexical", "lexical_of_dense_top", "best_sentence")
 ANSWER_AT = 0.2
+# Since issue 31 these are the default only: each knowledge base fits its own weights and operating point per
+# embedding model, on probes built from its chunks (pipelines/answers/calibration.py); a scope too small to fit
+# (or not yet fitted) is answered with these, and says so.
 # A sentence's score (a logit): its cosine to the question, its lexical evidence (with its heading), its context's
 # cosine and its context's lexical evidence. The negative weight on the context's cosine is what the fit found:
 # among sentences equally close to the question, the one that stands out from its paragraph is the answer.
@@ -96,11 +100,6 @@ def _compact(token: str) -> str:
 def holds_code(text: str, code: str) -> bool:
     """The text holds the whole code as a token ("ERR-5012", not "ERR-7781"; "backtrace_functions", not "functions")."""
     return _compact(code) in {_compact(t) for t in _TOKEN.findall(text)}
-
-
-def confidence(dense: float, lexical: float, lexical_of_dense_top: float, best_sentence: float) -> float:
-    bias, *weights = CONFIDENCE_WEIGHTS
-    return 1 / (1 + math.exp(-(bias + float(np.dot(weights, (dense, lexical, lexical_of_dense_top, best_sentence))))))
 
 
 def is_question_sentence(sentence: str) -> bool:

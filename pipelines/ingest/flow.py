@@ -93,6 +93,15 @@ def _cards(run: "IngestRun", progress: Progress) -> StageReport:
     return generate_cards(run.conn, run.settings, run.models_in_use(), run.source_ids, progress=progress)
 
 
+def _calibrate(run: "IngestRun", progress: Progress) -> StageReport:
+    from pipelines.answers.calibration import calibration_stage
+
+    published = run.conn.execute("SELECT stages->'publish'->'counts' FROM ingest_runs WHERE run_id = %s",
+                                 (run.run_id,)).fetchone()[0] or {}
+    return calibration_stage(run.conn, run.settings, changed=bool(published.get("documents") or
+                                                                  published.get("deleted")))
+
+
 _OF_SOURCE = "JOIN documents d USING (document_id) WHERE d.source_id = %(id)s"
 
 FLOW: tuple[Stage, ...] = (
@@ -127,6 +136,12 @@ FLOW: tuple[Stage, ...] = (
           " cached by text, versioned and searched like chunks.",
           "chunk", ("python", "postgres"), "embeddings",
           f"SELECT count(*) FROM chunks c {_OF_SOURCE} AND c.valid_to IS NULL AND c.kind = 'card'"),
+    Stage("calibrate", "answer_calibration", "answer_calibrations", _calibrate,
+          "When to answer and when to say the documents do not: a logistic fit of the answer evidence on probes built"
+          " from the knowledge base's own chunks, per embedding model, refit when the model or a tenth of the corpus"
+          " changes.",
+          "probe", ("numpy", "postgres"), "embeddings",
+          "SELECT count(*) FROM answer_probes p WHERE p.source_id = %(id)s"),
 )
 STAGE_NAMES = tuple(stage.name for stage in FLOW)
 

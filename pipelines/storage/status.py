@@ -38,6 +38,9 @@ def knowledge_base_status(conn: psycopg.Connection) -> dict:
             "failures": cur.execute("SELECT source_id, locator, stage, reason, recorded_at FROM failures"
                                     " ORDER BY source_id, locator").fetchall(),
             "models": cur.execute("SELECT model_key, dimensions, state FROM embedding_models ORDER BY created_at").fetchall(),
+            "answer_calibrations": cur.execute(
+                "SELECT model_key, CASE scope_group WHEN '' THEN 'public' ELSE scope_group END AS scope, fitted_at,"
+                " chunks, answer_at, report FROM answer_calibrations ORDER BY model_key, scope_group").fetchall(),
             "last_run": cur.execute("SELECT run_id, started_by, external_run_id, started_at, finished_at, sources,"
                                     " counters FROM ingest_runs"
                                     " ORDER BY run_id DESC LIMIT 1").fetchone(),

@@ -1,0 +1,58 @@
+"""What a message asks (issue 31): the question in it, the situation around it, and whether it asks yes or no.
+
+People write to a help desk in several sentences: who they are, what happened, then the question ("My contract
+ends in May and I was off sick in March. Can I still claim the bonus?"). The whole message chooses the passage
+(retrieval reads all of it: the situation names the case), but whether the documents answer is decided on the
+question: the asker's own details (names, places, dates) are not in any document, and counting them as missing
+evidence refused questions the documents answer.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from pipelines.ingest.sentences import split_sentences
+
+# A question that asks yes or no opens with an auxiliary or modal verb ("Can I ...", "Is there ...", "Do we ..."),
+# possibly after a connective ("And can I ...", "So does it ...").
+_YES_NO = re.compile(r"^\W*(?:(?:and|but|so|also|then|now|please|ok|okay|well)\b[\s,]*)?"
+                     r"(?:am|is|are|was|were|do|does|did|can|could|will|would|shall|should|may|might|must|have|has|"
+                     r"had|need|isn't|aren't|wasn't|weren't|don't|doesn't|didn't|can't|couldn't|won't|wouldn't|"
+                     r"shouldn't|haven't|hasn't)\b", re.I)
+# The sentence before the question joins it when the question is short or points back ("Can I work from there?"
+# needs the sentence that says where "there" is).
+_SHORT_QUESTION_WORDS = 6
+_POINTS_BACK = re.compile(r"\b(?:it|its|there|this|that|these|those|they|them|their|he|she|him|her|so|such)\b", re.I)
+
+
+@dataclass(frozen=True)
+class Asked:
+    message: str  # everything the caller wrote: retrieval reads it
+    question: str  # the question in it: its rare words must be in the contexts
+    situation: str  # the rest ("" when the message is only the question)
+    yes_no: bool  # the question asks yes or no
+    focus: str = ""  # the question with the sentence it points back to: contexts and sentences are scored against it
+
+    @property
+    def kind(self) -> str:
+        return "yes_no" if self.yes_no else "open"
+
+
+def asked(message: str) -> Asked:
+    """The question of a message: its last run of sentences ending in "?"; a message with no "?" is all question.
+    The question's focus adds the sentence before it when the question is a few words or points back."""
+    text = " ".join(message.split())
+    sentences = split_sentences(text) if text else []
+    asking = [n for n, s in enumerate(sentences) if s.rstrip(" )\"'").endswith("?")]
+    if len(sentences) < 2 or not asking:
+        return Asked(message, text, "", bool(_YES_NO.match(text)), text)
+    last = first = asking[-1]
+    while first - 1 in asking:
+        first -= 1
+    question = " ".join(sentences[first:last + 1])
+    start = first - 1 if first > 0 and (len(sentences[first].split()) < _SHORT_QUESTION_WORDS
+                                        or _POINTS_BACK.search(sentences[first])) else first
+    situation = " ".join(sentences[:first] + sentences[last + 1:])
+    return Asked(message, question, situation, any(_YES_NO.match(sentences[n]) for n in range(first, last + 1)),
+                 " ".join(sentences[start:last + 1]))

@@ -1,0 +1,318 @@
+"""Answerability calibrated on the knowledge base itself, per embedding model (issue 31).
+
+Whether kb answers is a logistic model of the evidence its contexts give (evidence.FEATURES). Weights fitted once on
+one public data set (SQuAD with MiniLM) did not transfer: other domains, other question styles and other embedders
+put the same evidence at other values (an OpenAI embedder's cosines are not MiniLM's). So each knowledge base fits
+its own, from probes it builds from its own chunks and runs through the very code that answers:
+
+- *answerable*: a question whose answer is a known chunk: the chunk's Q&A card question, else its most telling
+  sentence, cut to about two thirds of its content words ("What employees split leave two blocks?"), so the probe
+  shares words with its chunk as a person's question does, not all of them; and the same with one word of middling
+  rarity swapped for a word the knowledge base never uses, as a person's own wording would (without it the fit
+  learns that every word of an answerable question is in its chunk, and refuses paraphrases);
+- *off_topic*: the same question with most of its rarest words swapped for everyday words the knowledge base never
+  uses (probe_words.txt): a question about something it does not hold, in its own style;
+- *near_miss*: the same question with only its rarest word swapped: the documents are about the topic but do not
+  say this (the kind of unanswerable question a sentence picker confuses with an answerable one).
+
+The fit weighs answerable and off_topic probes equally (fit() says how the operating point is chosen). A fit is per model and per scope (the sources every caller reads, and each group's), so that
+what a caller is told never depends on documents it cannot read; a scope with fewer than MIN_CHUNKS chunks keeps
+the default weights (evidence.CONFIDENCE_WEIGHTS, fitted on SQuAD), and says so. The ingest flow's `calibrate`
+stage refits a scope when the model has none, or when a run changed at least REFIT_SHARE of its chunks.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import zlib
+from dataclasses import dataclass, field
+from datetime import datetime
+from pathlib import Path
+
+import numpy as np
+import psycopg
+from psycopg import sql
+from psycopg.types.json import Jsonb
+
+from pipelines.answers import evidence as ev
+from pipelines.retrieval.readable import DOCUMENTS, Readable, readable
+
+MIN_CHUNKS = 20  # fewer chunks than this in a scope: too few probes to fit five weights, the default serves
+PROBE_CHUNKS = 60  # chunks a fit draws probes from (four probes each)
+REFIT_SHARE = 0.1  # a run that changed this share of a scope's chunks refits it
+RIDGE = 1.0  # probes can be separable: the penalty keeps the weights finite and close to zero where data is thin
+KEEP_WORDS = 0.67  # the share of a source sentence's content words a probe keeps
+GOAL = 0.95  # the share of off_topic probes a fit refuses
+MAX_GROUP_SCOPES = 8  # groups calibrated besides the public scope (the largest ones)
+_WORD = re.compile(r"[A-Za-z][A-Za-z'-]*[A-Za-z]|\d[\d.,]*\d|\d")
+PROBE_WORDS = Path(__file__).with_name("probe_words.txt")
+
+LATEST = """
+SELECT calibration_id, model_key, scope_group, fitted_at, chunks, weights, answer_at, report
+FROM answer_calibrations WHERE model_key = %(model)s AND (scope_group = '' OR scope_group = ANY(%(groups)s))
+ORDER BY chunks DESC, fitted_at DESC LIMIT 1
+"""
+OF_SCOPE = """
+SELECT DISTINCT ON (model_key, scope_group) calibration_id, scope_group, fitted_at, chunks
+FROM answer_calibrations WHERE model_key = %(model)s AND scope_group = %(group)s ORDER BY model_key, scope_group,
+fitted_at DESC
+"""
+SCOPE_CHUNKS = sql.SQL("""
+SELECT count(*) FILTER (WHERE c.valid_to IS NULL),
+       count(*) FILTER (WHERE c.valid_from > %(since)s OR c.valid_to > %(since)s)
+FROM chunks c JOIN documents d USING (document_id)
+WHERE c.kind <> 'card' AND (c.valid_to IS NULL OR c.valid_to > %(since)s) AND {}
+""").format(DOCUMENTS)
+SAMPLE = sql.SQL("""
+SELECT c.chunk_id, d.source_id, c.text,
+       (SELECT k.question FROM chunks k WHERE k.source_chunk_id = c.chunk_id AND k.valid_to IS NULL
+        ORDER BY k.chunk_id LIMIT 1)
+FROM chunks c JOIN documents d USING (document_id)
+WHERE c.valid_to IS NULL AND c.kind <> 'card' AND {}
+ORDER BY md5(c.text_hash), c.chunk_id LIMIT %(limit)s
+""").format(DOCUMENTS)
+GROUPS = """
+SELECT g, count(*) FROM sources s, unnest(s.allowed_groups) AS g WHERE s.removed_at IS NULL
+GROUP BY g ORDER BY count(*) DESC, g LIMIT %s
+"""
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """The weights and operating point a caller's answers are decided with, and where they come from."""
+    weights: tuple[float, ...]
+    answer_at: float
+    origin: str  # "knowledge base" or "default"
+    model_key: str | None = None
+    scope_group: str = ""
+    chunks: int = 0
+    fitted_at: datetime | None = None
+    report: dict = field(default_factory=dict)
+
+    def confidence(self, features: list[float]) -> float:
+        bias, *weights = self.weights
+        return 1 / (1 + math.exp(-(bias + float(np.dot(weights, features)))))
+
+    def describe(self) -> dict:
+        return {"origin": self.origin, "model": self.model_key, "scope": self.scope_group or "public",
+                "chunks": self.chunks, "fitted_at": self.fitted_at.isoformat() if self.fitted_at else None,
+                "answer_at": round(self.answer_at, 4), "weights": [round(w, 4) for w in self.weights],
+                **({"probes": self.report.get("probes"), "answered": self.report.get("answered"),
+                    "refused": self.report.get("refused")} if self.report else {})}
+
+
+DEFAULT = Calibration(ev.CONFIDENCE_WEIGHTS, ev.ANSWER_AT, "default")
+
+
+def current(conn: psycopg.Connection, model_key: str, groups: list[str]) -> Calibration:
+    """The calibration a caller in these groups is answered with: the largest fit of the model over sources it may
+    all read (the public scope's, or one of its groups'); the default when there is none."""
+    row = conn.execute(LATEST, {"model": model_key, "groups": list(groups)}).fetchone()
+    if row is None:
+        return DEFAULT
+    _, model, group, fitted_at, chunks, weights, answer_at, report = row
+    return Calibration(tuple(weights), answer_at, "knowledge base", model, group, chunks, fitted_at, report)
+
+
+def fit_logistic(x: np.ndarray, y: np.ndarray, ridge: float = 1e-3, steps: int = 50,
+                 sample_weight: np.ndarray | None = None) -> np.ndarray:
+    """Logistic regression by Newton's method (bias first, not penalised). numpy only: five weights do not need a
+    machine-learning library in the ingest path."""
+    x = np.hstack([np.ones((len(x), 1)), x])
+    s = np.ones(len(x)) if sample_weight is None else sample_weight
+    penalty = ridge * np.eye(x.shape[1])
+    penalty[0, 0] = 0.0
+    w = np.zeros(x.shape[1])
+    for _ in range(steps):
+        p = 1 / (1 + np.exp(-np.clip(x @ w, -30, 30)))
+        gradient = x.T @ (s * (p - y)) + penalty @ w
+        hessian = (x * (s * p * (1 - p))[:, None]).T @ x + penalty + 1e-9 * np.eye(len(w))
+        step = np.linalg.solve(hessian, gradient)
+        w -= step
+        if np.abs(step).max() < 1e-8:
+            break
+    return w
+
+
+def _content_words(text: str) -> list[str]:
+    from pipelines.ingest.sentences import import_spacy
+
+    import_spacy()  # without torch
+    from spacy.lang.en.stop_words import STOP_WORDS as stop
+
+    return [w for w in _WORD.findall(text) if w.lower() not in stop and len(w) > 1]
+
+
+def _kept(words: list[str]) -> list[str]:
+    """About KEEP_WORDS of the words, the same ones every time (by a hash of each), in their order; at least 3."""
+    kept = [w for w in words if zlib.crc32(w.lower().encode()) % 100 < KEEP_WORDS * 100]
+    return kept if len(kept) >= 3 else words[:3]
+
+
+def _source_text(text: str, card_question: str | None) -> str | None:
+    """What an answerable probe is made from: the chunk's card question, else its sentence with the most content
+    words (of 6 to 40 words; a heading or a table row says too little to ask about)."""
+    if card_question:
+        return card_question
+    sentences = [s for s in ev.answer_sentences(text) if 6 <= len(s.split()) <= 40]
+    return max(sentences, key=lambda s: (len(_content_words(s)), s), default=None)
+
+
+def _probe(words: list[str]) -> str:
+    return f"What {' '.join(words)}?"
+
+
+@dataclass
+class Probe:
+    chunk_id: int
+    source_id: str
+    kind: str
+    question: str
+    features: list[float] = field(default_factory=list)
+    confidence: float = 0.0  # under the fit
+
+
+def build_probes(conn: psycopg.Connection, scope: Readable, limit: int = PROBE_CHUNKS) -> list[Probe]:
+    """Four probes for each of up to `limit` chunks of the scope (drawn by text hash: the same chunks while they
+    last): two answerable, off_topic and near_miss (module docstring)."""
+    rows = conn.execute(SAMPLE, {**scope.params(), "limit": limit}).fetchall()
+    sources = [(chunk_id, source, _source_text(text, question)) for chunk_id, source, text, question in rows]
+    sources = [(chunk_id, source, text) for chunk_id, source, text in sources if text]
+    if not sources:
+        return []
+    foreign = _foreign_words(conn, scope.keys)
+    kept = [_kept(_content_words(text)) for _, _, text in sources]
+    weights = ev.question_terms(conn, " ".join(w for words in kept for w in words), scope.keys)
+    word_lexemes = ev.lexemes(conn, [w for words in kept for w in words])
+    at, probes = 0, []
+    for (chunk_id, source, _), words in zip(sources, kept):
+        rarity = [max((weights.get(x, 0.0) for x in lexemes), default=0.0)
+                  for lexemes in word_lexemes[at:at + len(words)]]
+        at += len(words)
+        by_rarity = sorted(range(len(words)), key=lambda n: (-rarity[n], n))
+        swap = {n: foreign[zlib.crc32(f"{chunk_id}:{i}".encode()) % len(foreign)] for i, n in
+                enumerate(by_rarity[:max(1, math.ceil(0.6 * len(words)))])}
+        reworded = by_rarity[len(by_rarity) // 2]  # a word of middling rarity, as a paraphrase would change
+        probes += [Probe(chunk_id, source, "answerable", _probe(words)),
+                   Probe(chunk_id, source, "answerable",
+                         _probe([swap.get(n, w) if n == reworded else w for n, w in enumerate(words)])),
+                   Probe(chunk_id, source, "off_topic", _probe([swap.get(n, w) for n, w in enumerate(words)])),
+                   Probe(chunk_id, source, "near_miss",
+                         _probe([swap[n] if n == by_rarity[0] else w for n, w in enumerate(words)]))]
+    return probes
+
+
+def _foreign_words(conn: psycopg.Connection, source_keys: list[int]) -> list[str]:
+    """The probe words no readable chunk holds (as lexemes)."""
+    words = [w for line in PROBE_WORDS.read_text().splitlines() if not line.startswith("#") for w in line.split()]
+    held = ev.question_terms(conn, " ".join(words), source_keys)
+    ceiling = max(held.values(), default=0.0)
+    absent = {lexeme for lexeme, weight in held.items() if weight >= ceiling - 1e-9}
+    return [w for w, lexemes in zip(words, ev.lexemes(conn, words)) if lexemes and lexemes <= absent] or words
+
+
+def fit(probes: list[Probe]) -> tuple[tuple[float, ...], float, dict]:
+    """(weights, operating point, report) from probes with their features. The fit is answerable against off_topic
+    probes, each side weighed equally. The operating point, in steps of 0.05, is the lowest confidence at which at
+    least GOAL of the off_topic probes are refused (else the one with the best balanced accuracy): probes are easier
+    than people's questions (they share more words with their chunk), so any higher point refuses answerable
+    questions the probes do not show (a higher one refused 20% of SQuAD's answerable questions on the test slice). near_miss probes are not fitted on: they are worded like answerable ones, and no evidence
+    kb weighs tells them apart well; the report says how many of them each fit refuses."""
+    x = np.array([p.features for p in probes], dtype=float)
+    kinds = np.array([probe.kind for probe in probes])
+    fitted = kinds != "near_miss"
+    y = (kinds[fitted] == "answerable").astype(float)
+    positives, negatives = max(y.sum(), 1.0), max(len(y) - y.sum(), 1.0)
+    w = fit_logistic(x[fitted], y, RIDGE, sample_weight=np.where(y == 1, 0.5 / positives, 0.5 / negatives) * len(y))
+    p = 1 / (1 + np.exp(-(w[0] + x @ w[1:])))
+
+    def shares(at: float) -> tuple[dict, dict]:
+        answered = {"answerable": float((p[kinds == "answerable"] >= at).mean())}
+        refused = {k: float((p[kinds == k] < at).mean()) for k in ("off_topic", "near_miss") if (kinds == k).any()}
+        return answered, refused
+
+    steps = [round(float(t), 2) for t in np.arange(0.05, 0.96, 0.05)]
+    refusing = [t for t in steps if shares(t)[1].get("off_topic", 1.0) >= GOAL]
+    answer_at = refusing[0] if refusing else max(
+        steps, key=lambda t: (shares(t)[0]["answerable"] + shares(t)[1].get("off_topic", 1.0), -abs(t - 0.5)))
+    answered, refused = shares(answer_at)
+    report = {"probes": {k: int((kinds == k).sum()) for k in ("answerable", "off_topic", "near_miss")},
+              "answered": {k: round(v, 3) for k, v in answered.items()},
+              "refused": {k: round(v, 3) for k, v in refused.items()}}
+    for probe, confidence in zip(probes, p):
+        probe.confidence = float(confidence)
+    return tuple(float(v) for v in w), answer_at, report
+
+
+def scopes(conn: psycopg.Connection) -> list[str]:
+    """The scopes fitted: the public one ('') and the largest groups' (MAX_GROUP_SCOPES)."""
+    return [""] + [g for g, _ in conn.execute(GROUPS, (MAX_GROUP_SCOPES,)).fetchall()]
+
+
+def needs_fit(conn: psycopg.Connection, model_key: str, group: str) -> tuple[bool, int, str]:
+    """(whether the scope needs a fit, its live chunks, why)."""
+    scope = readable(conn, [group] if group else [])
+    last = conn.execute(OF_SCOPE, {"model": model_key, "group": group}).fetchone()
+    since = last[2] if last else datetime.fromtimestamp(0).astimezone()
+    live, changed = conn.execute(SCOPE_CHUNKS, {**scope.params(), "since": since}).fetchone()
+    if live < MIN_CHUNKS:
+        return False, live, f"{live} chunks, fewer than {MIN_CHUNKS}: the default weights serve"
+    if last is None:
+        return True, live, "no fit for this model yet"
+    if changed >= REFIT_SHARE * max(last[3], 1):
+        return True, live, f"{changed} chunks changed since the last fit ({last[3]} then)"
+    return False, live, f"{changed} chunks changed since the last fit: under {REFIT_SHARE:.0%}"
+
+
+def calibrate(conn: psycopg.Connection, settings, embedder, *, force: bool = False) -> list[dict]:
+    """Refit each scope that needs it (needs_fit; all of them with `force`) for the serving model; one dict per
+    scope saying what was done."""
+    from pipelines.answers.answer import probe_features
+
+    done = []
+    for group in scopes(conn):
+        due, live, why = needs_fit(conn, embedder.model_key, group)
+        if not (due or (force and live >= MIN_CHUNKS)):
+            done.append({"scope": group or "public", "fitted": False, "why": why})
+            continue
+        scope = readable(conn, [group] if group else [])
+        probes = build_probes(conn, scope)
+        for probe, features in zip(probes, probe_features(conn, settings, embedder, [p.question for p in probes],
+                                                          [group] if group else [])):
+            probe.features = features
+        weights, answer_at, report = fit(probes)
+        with conn.transaction():
+            calibration_id = conn.execute(
+                "INSERT INTO answer_calibrations (model_key, scope_group, chunks, weights, answer_at, report)"
+                " VALUES (%s, %s, %s, %s, %s, %s) RETURNING calibration_id",
+                (embedder.model_key, group, live, list(weights), answer_at, Jsonb(report))).fetchone()[0]
+            with conn.cursor() as cursor:
+                cursor.executemany(
+                    "INSERT INTO answer_probes (calibration_id, probe, chunk_id, source_id, kind, question, features,"
+                    " confidence) VALUES (%s, %s, %s, %s, %s, %s, %s, %s)",
+                    [(calibration_id, n, p.chunk_id, p.source_id, p.kind, p.question, p.features, p.confidence)
+                     for n, p in enumerate(probes)])
+            conn.execute("DELETE FROM answer_calibrations WHERE model_key = %s AND scope_group = %s"
+                         " AND calibration_id < %s", (embedder.model_key, group, calibration_id))
+        done.append({"scope": group or "public", "fitted": True, "why": why, "chunks": live,
+                     "answer_at": answer_at, **report})
+    return done
+
+
+def calibration_stage(conn: psycopg.Connection, settings, changed: bool) -> "StageReport":
+    """The flow's `calibrate` stage: refit what needs it (needs_fit) for the serving model. A run that published
+    nothing looks only for a model without a fit (one indexed query per scope), so a no-op refresh stays cheap."""
+    from pipelines.ingest.report import StageReport
+    from pipelines.retrieval.responses import query_embedder
+
+    report = StageReport("calibrate", ("scopes", "fitted", "probes"))
+    embedder = query_embedder(conn, settings)
+    unfitted = [g for g in scopes(conn)
+                if conn.execute(OF_SCOPE, {"model": embedder.model_key, "group": g}).fetchone() is None]
+    if changed or unfitted:
+        done = calibrate(conn, settings, embedder)
+        report.counts.update(scopes=len(done), fitted=sum(d["fitted"] for d in done),
+                             probes=sum(sum(d.get("probes", {}).values()) for d in done))
+        report.notes["calibrations"] = done
+    return report.finish()

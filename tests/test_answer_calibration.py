@@ -1,0 +1,124 @@
+"""Answers that hold on documents and questions unlike SQuAD (issue 31): the refusal calibrated on the knowledge
+base itself per embedding model, messages that carry a situation, yes/no questions, and a newcomer's own FAQ."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from fake_openai import FakeOpenAI, scripted_chat
+from test_answers import with_chat
+
+from pipelines.answers.answer import answer_question
+from pipelines.answers.asked import asked
+from pipelines.answers.calibration import MIN_CHUNKS, current
+from pipelines.ingest.run import ingest
+from pipelines.retrieval.search import Filters
+from pipelines.sources.declarations import add_source, declare
+
+NEWCOMER_FAQ = Path(__file__).parent / "data" / "newcomer-faq" / "faq.jsonl"
+
+
+@pytest.fixture
+def newcomer_kb(conn, embedder, settings):
+    add_source(conn, declare("faq", NEWCOMER_FAQ), "tests")
+    summary = ingest(conn, embedder, settings)
+    return conn, summary
+
+
+def test_a_message_is_split_into_its_question_and_its_situation():
+    message = asked("My contract ends in May and I was off sick in March. Can I still claim the bonus?")
+    assert message.question == "Can I still claim the bonus?" and message.yes_no
+    assert message.situation == "My contract ends in May and I was off sick in March."
+    # a question that points back takes the sentence it points to into its focus, not into its words
+    there = asked("My partner lives in Lisbon. How long can I work from there?")
+    assert there.question == "How long can I work from there?" and not there.yes_no
+    assert there.focus == "My partner lives in Lisbon. How long can I work from there?"
+    alone = asked("On-call phone number?")
+    assert (alone.question, alone.situation, alone.yes_no) == ("On-call phone number?", "", False)
+    assert asked("Tell me the deadline for filing.").situation == ""  # no "?": all of it is the question
+
+
+def test_the_refresh_calibrates_on_the_knowledge_base_and_says_so(newcomer_kb, embedder, settings):
+    conn, summary = newcomer_kb
+    stage = next(s for s in summary.stages if s.stage == "calibrate")
+    assert stage.counts["fitted"] == 1 and stage.notes["calibrations"][0]["scope"] == "public"
+    calibration = current(conn, embedder.model_key, [])
+    assert calibration.origin == "knowledge base" and calibration.chunks == 25
+    report = calibration.report
+    assert report["probes"]["answerable"] == 2 * report["probes"]["off_topic"] > 0
+    assert report["refused"]["off_topic"] >= 0.95  # the operating point's rule
+    again = next(s for s in ingest(conn, embedder, settings).stages if s.stage == "calibrate")
+    assert again.counts["fitted"] == 0  # nothing changed, nothing refitted
+    assert current(conn, embedder.model_key, []).fitted_at == calibration.fitted_at
+
+
+
+def test_a_newcomers_own_faq_is_answered_where_it_answers(newcomer_kb, settings):
+    conn, _ = newcomer_kb
+    for question, entry in (("Can I work abroad?", "faq-001"), ("How long can I work from Spain?", "faq-002")):
+        result = answer_question(conn, settings, question)
+        assert not result["abstained"], result["evidence"]
+        assert result["sentences"][0]["citations"][0]["chunk_id"] in _chunks_of(conn, entry)
+        assert result["evidence"]["why"].startswith("answered: confidence")  # not "too weak" on an answer
+        assert result["calibration"]["origin"] == "knowledge base"
+    for question in ("What is the dress code?", "Can I bring my dog to the office?"):
+        refused = answer_question(conn, settings, question)
+        assert refused["abstained"] and "too weak" in refused["evidence"]["why"], question
+
+
+def test_a_situation_does_not_count_as_missing_evidence(newcomer_kb, settings):
+    conn, _ = newcomer_kb
+    message = ("I joined in March and my family lives in Valencia, where I grew up. My manager Ingrid is fine with"
+               " it. Can I work from another country for a few weeks?")
+    result = answer_question(conn, settings, message)
+    assert result["asked"] == {"question": "Can I work from another country for a few weeks?",
+                               "situation": "I joined in March and my family lives in Valencia, where I grew up."
+                                            " My manager Ingrid is fine with it.", "kind": "yes_no"}
+    assert not result["abstained"], result["evidence"]
+    assert result["sentences"][0]["citations"][0]["chunk_id"] in _chunks_of(conn, "faq-001")
+
+
+def test_a_yes_no_question_gets_its_verdict_and_the_cited_sentence(newcomer_kb, settings):
+    conn, _ = newcomer_kb
+    with FakeOpenAI(chat=scripted_chat()) as fake:
+        result = answer_question(conn, with_chat(settings, fake), "Can I work from another country?")
+    assert not result["abstained"] and result["yes_no"] == "yes"
+    first = result["sentences"][0]
+    assert first["text"].startswith("Yes, ") and first["citations"][0]["status"] != "INVALID"
+    assert not result["removed"]  # the verdict is not dropped as a sentence that cites nothing
+
+
+def test_a_caller_is_never_answered_with_a_fit_over_sources_it_cannot_read(conn, embedder, settings, tmp_path):
+    public = tmp_path / "public.jsonl"
+    public.write_text(NEWCOMER_FAQ.read_text())
+    secret = tmp_path / "secret.jsonl"
+    secret.write_text("".join(f'{{"_id": "s{n}", "title": "Project {n}", "text": "Project {n} budget is'
+                              f' {n * 1000} EUR, approved by the board in week {n}."}}\n' for n in range(30)))
+    add_source(conn, declare("faq", public), "tests")
+    add_source(conn, declare("board", secret, groups=["board"]), "tests")
+    ingest(conn, embedder, settings)
+    everyone = current(conn, embedder.model_key, [])
+    board = current(conn, embedder.model_key, ["board"])
+    assert (everyone.scope_group, everyone.chunks) == ("", 25)
+    assert (board.scope_group, board.chunks) == ("board", 55)
+    probes = conn.execute("SELECT DISTINCT p.source_id FROM answer_probes p JOIN answer_calibrations c"
+                          " USING (calibration_id) WHERE c.scope_group = ''").fetchall()
+    assert probes == [("faq",)]  # the public fit never read the board's chunks
+    result = answer_question(conn, settings, "Can I work abroad?", filters=Filters(groups=[]))
+    assert result["calibration"]["scope"] == "public"
+
+
+def test_a_knowledge_base_too_small_to_calibrate_keeps_the_default(conn, embedder, settings, tmp_path):
+    small = tmp_path / "small.jsonl"
+    small.write_text("".join(NEWCOMER_FAQ.read_text().splitlines(keepends=True)[:MIN_CHUNKS - 5]))
+    add_source(conn, declare("faq", small), "tests")
+    ingest(conn, embedder, settings)
+    assert current(conn, embedder.model_key, []).origin == "default"
+    result = answer_question(conn, settings, "Can I work abroad?")
+    assert result["calibration"]["origin"] == "default" and not result["abstained"]
+
+
+def _chunks_of(conn, locator: str) -> set[int]:
+    return {r[0] for r in conn.execute("SELECT c.chunk_id FROM chunks c JOIN documents d USING (document_id)"
+                                       " WHERE d.locator = %s", (locator,)).fetchall()}
