@@ -379,6 +379,7 @@ def _record_in_dagster(conn, settings, run, embedder) -> None:
 def status(as_json) -> None:
     """Where the knowledge base is, its sources with document and chunk counts, failures and the last run."""
     from pipelines.storage.database import connect
+    from pipelines.answers.calibration import MIN_CHUNKS
     from pipelines.storage.status import crawl_line, knowledge_base_status
 
     settings = load_settings()
@@ -396,10 +397,10 @@ def status(as_json) -> None:
     text.append(f"models: {', '.join(m['model_key'] + ' (' + m['state'] + ')' for m in data['models']) or 'none'}")
     text += [f"answer calibration ({c['model_key']}, {c['scope']} sources): answers at confidence {c['answer_at']},"
              f" fitted {_when(c['fitted_at'])} on {c['chunks']} chunks; of its probes it answers"
-             f" {c['report']['answered']['answerable']:.0%} answerable, refuses {c['report']['refused']['off_topic']:.0%}"
-             f" off-topic and {c['report']['refused'].get('near_miss', 0):.0%} near misses"
+             f" {c['report']['answered']['answerable']:.0%} answerable, refuses {c['report']['refused']['left_out']:.0%}"
+             f" left out and {c['report']['refused'].get('near_miss', 0):.0%} near misses"
              for c in data["answer_calibrations"]] or ["answer calibration: none (the default weights serve; a"
-                                                       " refresh fits one once a scope has 20 chunks)"]
+                                                       f" refresh fits one once a scope has {MIN_CHUNKS} chunks)"]
     if run := data["last_run"]:
         text.append(f"last run: #{run['run_id']} started by {run['started_by']} at {_when(run['started_at'])},"
                     f" {'finished ' + _when(run['finished_at']) if run['finished_at'] else 'not finished'}")

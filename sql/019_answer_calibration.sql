@@ -22,7 +22,7 @@ CREATE TABLE answer_probes (
     probe          integer NOT NULL,
     chunk_id       bigint NOT NULL,               -- the chunk the probe was made from
     source_id      text NOT NULL,
-    kind           text NOT NULL CHECK (kind IN ('answerable', 'off_topic', 'near_miss')),
+    kind           text NOT NULL CHECK (kind IN ('answerable', 'left_out', 'near_miss')),
     question       text NOT NULL,
     features       double precision[] NOT NULL,
     confidence     double precision NOT NULL,     -- under the fit

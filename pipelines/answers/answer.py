@@ -35,7 +35,6 @@ from pipelines.answers.calibration import DEFAULT, Calibration, current
 from pipelines.answers.citations import validate_citations
 from pipelines.ingest.sentences import split_sentences
 from pipelines.models.chat import ChatNotConfigured, complete, openai_client
-from pipelines.retrieval.readable import readable
 from pipelines.retrieval.search import Filters, cited, embed_query
 from pipelines.settings import Settings
 
@@ -121,8 +120,7 @@ def gather(conn: psycopg.Connection, settings: Settings, embedder, asked: Asked,
         _focus_similarities(conn, embedder.model_key, contexts, focus)
     if compress:
         contexts = _compressed(embedder, focus, contexts)
-    terms = ev.question_terms(conn, asked.question, readable(conn, filters.groups, filters.source_id,
-                                                              filters.as_of).keys, filters.as_of)
+    terms = ev.question_terms(conn, asked.question, filters.readable(conn).keys, filters.as_of)
     lexemes = _read_contexts(conn, contexts, terms)
     held = code_holders(contexts, query_class.identifiers, ev.question_codes(asked.question))
     scope = [c for c in contexts if c.n <= EXTRACT_CONTEXTS or c.n in held]  # what may answer
@@ -131,16 +129,16 @@ def gather(conn: psycopg.Connection, settings: Settings, embedder, asked: Asked,
                                                             calibration))
 
 
-def probe_features(conn: psycopg.Connection, settings: Settings, embedder, questions: list[str],
+def probe_features(conn: psycopg.Connection, settings: Settings, embedder, probes: list,
                    groups: list[str]) -> list[list[float]]:
-    """The evidence features (evidence.FEATURES) of each question as `answer_question` would weigh it for a caller
-    in these groups: what a calibration is fitted on (pipelines/answers/calibration.py)."""
+    """The evidence features (evidence.FEATURES) of each calibration probe (pipelines/answers/calibration.py) as
+    `answer_question` would weigh its question for a caller in these groups, without the documents it leaves out."""
     remembering = _Remembering(embedder)
-    vectors = remembering.embed(questions)
-    filters = Filters(groups=list(groups))
-    return [[gather(conn, settings, remembering, asked(q), 5, mode="qa_first", filters=filters, rerank=False,
-                    calibration=DEFAULT, message_vector=v).found[f] for f in ev.FEATURES]
-            for q, v in zip(questions, vectors)]
+    vectors = remembering.embed([p.question for p in probes])
+    return [[gather(conn, settings, remembering, asked(p.question), 5, mode="qa_first", rerank=False,
+                    filters=Filters(groups=list(groups), left_out=p.left_out), calibration=DEFAULT,
+                    message_vector=v).found[f] for f in ev.FEATURES]
+            for p, v in zip(probes, vectors)]
 
 
 def answer_question(conn: psycopg.Connection, settings: Settings, question: str, k: int = 5, *, mode: str = "qa_first",
@@ -400,7 +398,7 @@ def _verified(conn: psycopg.Connection, embedder, sentences: list[tuple[str, lis
         else:
             claims.append({"text": text, "citations": [by_number[n].chunk_id for n in dict.fromkeys(numbers)]})
     verdicts = validate_citations(conn, embedder, claims, [c.chunk_id for c in contexts],
-                                  readable(conn, filters.groups, filters.source_id, filters.as_of),
+                                  filters.readable(conn),
                                   as_of=filters.as_of) if claims else []
     kept, at = [], 0
     for claim in claims:

@@ -3,21 +3,22 @@
 Whether kb answers is a logistic model of the evidence its contexts give (evidence.FEATURES). Weights fitted once on
 one public data set (SQuAD with MiniLM) did not transfer: other domains, other question styles and other embedders
 put the same evidence at other values (an OpenAI embedder's cosines are not MiniLM's). So each knowledge base fits
-its own, from probes it builds from its own chunks and runs through the very code that answers:
+its own, on probes it builds from its own chunks and runs through the very code that answers:
 
 - *answerable*: a question whose answer is a known chunk: the chunk's Q&A card question, else its most telling
   sentence, cut to about two thirds of its content words ("What employees split leave two blocks?"), so the probe
   shares words with its chunk as a person's question does, not all of them; and the same with one word of middling
-  rarity swapped for a word the knowledge base never uses, as a person's own wording would (without it the fit
-  learns that every word of an answerable question is in its chunk, and refuses paraphrases);
-- *off_topic*: the same question with most of its rarest words swapped for everyday words the knowledge base never
-  uses (probe_words.txt): a question about something it does not hold, in its own style;
-- *near_miss*: the same question with only its rarest word swapped: the documents are about the topic but do not
-  say this (the kind of unanswerable question a sentence picker confuses with an answerable one).
+  rarity swapped for a word the knowledge base never uses (probe_words.txt), as a person's own wording would;
+- *left_out*: the same two questions asked as if the chunk's document were not in the knowledge base (the filters'
+  `left_out`): a question about a document it does not hold, on a topic it does hold, which is what makes
+  out-of-corpus questions hard to refuse. The pair differs in one thing only, whether the answer is there;
+- *near_miss*: the question with its rarest word swapped: the documents are about the topic but do not say this.
+  Not fitted on (no evidence kb weighs tells it from a paraphrase); the report says how many of them a fit refuses.
 
-The fit weighs answerable and off_topic probes equally (fit() says how the operating point is chosen). A fit is per model and per scope (the sources every caller reads, and each group's), so that
-what a caller is told never depends on documents it cannot read; a scope with fewer than MIN_CHUNKS chunks keeps
-the default weights (evidence.CONFIDENCE_WEIGHTS, fitted on SQuAD), and says so. The ingest flow's `calibrate`
+The fit weighs answerable and left_out probes equally and answers at the confidence, in steps of 0.05, with the best
+balanced accuracy between them. A fit is per model and per scope (the sources every caller reads, and each group's),
+so that what a caller is told never depends on documents it cannot read; a scope with fewer than MIN_CHUNKS chunks
+keeps the default weights (evidence.CONFIDENCE_WEIGHTS, fitted on SQuAD), and says so. The ingest flow's `calibrate`
 stage refits a scope when the model has none, or when a run changed at least REFIT_SHARE of its chunks.
 """
 
@@ -39,11 +40,11 @@ from pipelines.answers import evidence as ev
 from pipelines.retrieval.readable import DOCUMENTS, Readable, readable
 
 MIN_CHUNKS = 20  # fewer chunks than this in a scope: too few probes to fit five weights, the default serves
-PROBE_CHUNKS = 60  # chunks a fit draws probes from (four probes each)
+PROBE_CHUNKS = 60  # chunks a fit draws probes from (five probes each)
 REFIT_SHARE = 0.1  # a run that changed this share of a scope's chunks refits it
 RIDGE = 1.0  # probes can be separable: the penalty keeps the weights finite and close to zero where data is thin
-KEEP_WORDS = 0.67  # the share of a source sentence's content words a probe keeps
-GOAL = 0.95  # the share of off_topic probes a fit refuses
+KEEP_WORDS = 0.5
+REWORDED = 2  # the share of a source sentence's content words a probe keeps
 MAX_GROUP_SCOPES = 8  # groups calibrated besides the public scope (the largest ones)
 _WORD = re.compile(r"[A-Za-z][A-Za-z'-]*[A-Za-z]|\d[\d.,]*\d|\d")
 PROBE_WORDS = Path(__file__).with_name("probe_words.txt")
@@ -65,7 +66,7 @@ FROM chunks c JOIN documents d USING (document_id)
 WHERE c.kind <> 'card' AND (c.valid_to IS NULL OR c.valid_to > %(since)s) AND {}
 """).format(DOCUMENTS)
 SAMPLE = sql.SQL("""
-SELECT c.chunk_id, d.source_id, c.text,
+SELECT c.chunk_id, d.source_id, d.locator, c.text,
        (SELECT k.question FROM chunks k WHERE k.source_chunk_id = c.chunk_id AND k.valid_to IS NULL
         ORDER BY k.chunk_id LIMIT 1)
 FROM chunks c JOIN documents d USING (document_id)
@@ -167,44 +168,49 @@ def _probe(words: list[str]) -> str:
 class Probe:
     chunk_id: int
     source_id: str
+    locator: str  # the chunk's document
     kind: str
     question: str
     features: list[float] = field(default_factory=list)
     confidence: float = 0.0  # under the fit
 
+    @property
+    def left_out(self) -> tuple[tuple[str, str], ...]:
+        """The documents the probe is asked without: its own, for a left_out probe."""
+        return ((self.source_id, self.locator),) if self.kind == "left_out" else ()
+
 
 def build_probes(conn: psycopg.Connection, scope: Readable, limit: int = PROBE_CHUNKS) -> list[Probe]:
-    """Four probes for each of up to `limit` chunks of the scope (drawn by text hash: the same chunks while they
-    last): two answerable, off_topic and near_miss (module docstring)."""
+    """Five probes for each of up to `limit` chunks of the scope (drawn by text hash: the same chunks while they
+    last): answerable and left_out, each as the chunk words it and reworded, and near_miss (module docstring)."""
     rows = conn.execute(SAMPLE, {**scope.params(), "limit": limit}).fetchall()
-    sources = [(chunk_id, source, _source_text(text, question)) for chunk_id, source, text, question in rows]
-    sources = [(chunk_id, source, text) for chunk_id, source, text in sources if text]
+    sources = [(chunk_id, source, locator, _source_text(text, question))
+               for chunk_id, source, locator, text, question in rows]
+    sources = [row for row in sources if row[3]]
     if not sources:
         return []
     foreign = _foreign_words(conn, scope.keys)
-    kept = [_kept(_content_words(text)) for _, _, text in sources]
+    kept = [_kept(_content_words(text)) for *_, text in sources]
     weights = ev.question_terms(conn, " ".join(w for words in kept for w in words), scope.keys)
     word_lexemes = ev.lexemes(conn, [w for words in kept for w in words])
     at, probes = 0, []
-    for (chunk_id, source, _), words in zip(sources, kept):
+    for (chunk_id, source, locator, _), words in zip(sources, kept):
         rarity = [max((weights.get(x, 0.0) for x in lexemes), default=0.0)
                   for lexemes in word_lexemes[at:at + len(words)]]
         at += len(words)
         by_rarity = sorted(range(len(words)), key=lambda n: (-rarity[n], n))
-        swap = {n: foreign[zlib.crc32(f"{chunk_id}:{i}".encode()) % len(foreign)] for i, n in
-                enumerate(by_rarity[:max(1, math.ceil(0.6 * len(words)))])}
-        reworded = by_rarity[len(by_rarity) // 2]  # a word of middling rarity, as a paraphrase would change
-        probes += [Probe(chunk_id, source, "answerable", _probe(words)),
-                   Probe(chunk_id, source, "answerable",
-                         _probe([swap.get(n, w) if n == reworded else w for n, w in enumerate(words)])),
-                   Probe(chunk_id, source, "off_topic", _probe([swap.get(n, w) for n, w in enumerate(words)])),
-                   Probe(chunk_id, source, "near_miss",
-                         _probe([swap[n] if n == by_rarity[0] else w for n, w in enumerate(words)]))]
+        stranger = foreign[zlib.crc32(str(chunk_id).encode()) % len(foreign)]
+        middling = set(by_rarity[len(by_rarity) // 3:][:REWORDED])
+        reworded = [stranger if n in middling else w for n, w in enumerate(words)]
+        near_miss = [stranger if n == by_rarity[0] else w for n, w in enumerate(words)]
+        probes += [Probe(chunk_id, source, locator, kind, _probe(question)) for kind, question in (
+            ("answerable", words), ("answerable", reworded), ("left_out", words), ("left_out", reworded),
+            ("near_miss", near_miss))]
     return probes
 
 
 def _foreign_words(conn: psycopg.Connection, source_keys: list[int]) -> list[str]:
-    """The probe words no readable chunk holds (as lexemes)."""
+    """The probe words no readable chunk holds (as lexemes): a rewording the knowledge base cannot match."""
     words = [w for line in PROBE_WORDS.read_text().splitlines() if not line.startswith("#") for w in line.split()]
     held = ev.question_terms(conn, " ".join(words), source_keys)
     ceiling = max(held.values(), default=0.0)
@@ -213,12 +219,8 @@ def _foreign_words(conn: psycopg.Connection, source_keys: list[int]) -> list[str
 
 
 def fit(probes: list[Probe]) -> tuple[tuple[float, ...], float, dict]:
-    """(weights, operating point, report) from probes with their features. The fit is answerable against off_topic
-    probes, each side weighed equally. The operating point, in steps of 0.05, is the lowest confidence at which at
-    least GOAL of the off_topic probes are refused (else the one with the best balanced accuracy): probes are easier
-    than people's questions (they share more words with their chunk), so any higher point refuses answerable
-    questions the probes do not show (a higher one refused 20% of SQuAD's answerable questions on the test slice). near_miss probes are not fitted on: they are worded like answerable ones, and no evidence
-    kb weighs tells them apart well; the report says how many of them each fit refuses."""
+    """(weights, operating point, report) from probes with their features: answerable against left_out, each side
+    weighed equally; the operating point has the best balanced accuracy (ties: nearest 0.5)."""
     x = np.array([p.features for p in probes], dtype=float)
     kinds = np.array([probe.kind for probe in probes])
     fitted = kinds != "near_miss"
@@ -229,15 +231,14 @@ def fit(probes: list[Probe]) -> tuple[tuple[float, ...], float, dict]:
 
     def shares(at: float) -> tuple[dict, dict]:
         answered = {"answerable": float((p[kinds == "answerable"] >= at).mean())}
-        refused = {k: float((p[kinds == k] < at).mean()) for k in ("off_topic", "near_miss") if (kinds == k).any()}
+        refused = {k: float((p[kinds == k] < at).mean()) for k in ("left_out", "near_miss") if (kinds == k).any()}
         return answered, refused
 
     steps = [round(float(t), 2) for t in np.arange(0.05, 0.96, 0.05)]
-    refusing = [t for t in steps if shares(t)[1].get("off_topic", 1.0) >= GOAL]
-    answer_at = refusing[0] if refusing else max(
-        steps, key=lambda t: (shares(t)[0]["answerable"] + shares(t)[1].get("off_topic", 1.0), -abs(t - 0.5)))
+    answer_at = max(steps, key=lambda t: (shares(t)[0]["answerable"] + shares(t)[1].get("left_out", 1.0),
+                                          -abs(t - 0.5)))
     answered, refused = shares(answer_at)
-    report = {"probes": {k: int((kinds == k).sum()) for k in ("answerable", "off_topic", "near_miss")},
+    report = {"probes": {k: int((kinds == k).sum()) for k in ("answerable", "left_out", "near_miss")},
               "answered": {k: round(v, 3) for k, v in answered.items()},
               "refused": {k: round(v, 3) for k, v in refused.items()}}
     for probe, confidence in zip(probes, p):
@@ -278,7 +279,7 @@ def calibrate(conn: psycopg.Connection, settings, embedder, *, force: bool = Fal
             continue
         scope = readable(conn, [group] if group else [])
         probes = build_probes(conn, scope)
-        for probe, features in zip(probes, probe_features(conn, settings, embedder, [p.question for p in probes],
+        for probe, features in zip(probes, probe_features(conn, settings, embedder, probes,
                                                           [group] if group else [])):
             probe.features = features
         weights, answer_at, report = fit(probes)

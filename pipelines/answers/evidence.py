@@ -8,7 +8,8 @@ words: a question about the Lyon plant's fire drills names "Lyon" and "drill", w
 holds. So words are weighed by how rare they are in what the caller may read (BM25's idf over the same lexemes
 the lexical arm indexes, `kb_lexemes`), and a context's lexical evidence is the share of that weight it holds,
 its section heading included. The weights below were fitted on SQuAD 2.0 questions (crowd-written, with
-unanswerable ones) by bench/answer_calibration.py and checked on held-out ones: bench/README.md.
+unanswerable ones) by bench/answer_calibration.py and checked on held-out ones: bench/README.md. Since issue 31
+they are the default only: each knowledge base fits its own (calibration.py).
 """
 
 from __future__ import annotations

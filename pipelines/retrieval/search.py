@@ -25,7 +25,7 @@ from pipelines.ingest.clean import normalise
 from pipelines.models.embedders import Embedder
 from pipelines.retrieval.query_class import QueryClass, classify
 from pipelines.retrieval.readable import DOCUMENTS as READABLE_DOCUMENTS
-from pipelines.retrieval.readable import readable
+from pipelines.retrieval.readable import Readable, readable
 from pipelines.settings import SQL_DIR
 from pipelines.storage.vectors import vector_table
 
@@ -71,10 +71,18 @@ class Filters:
     as_of: datetime | None = None
     cards: str = "exclude"  # Q&A cards: "exclude" (chunks only), "only" (cards only) or "include" (both)
     duplicates: bool = False  # also a chunk whose text a better-ranked result already shows (else listed as its copy)
+    # (source_id, locator) of documents read as if they were not there: an answer calibration probe about a document
+    # the knowledge base does not hold (pipelines/answers/calibration.py). It only ever narrows what is read.
+    left_out: tuple[tuple[str, str], ...] = ()
 
     def __post_init__(self) -> None:
         if self.as_of is not None and self.as_of.tzinfo is None:  # a time without a zone is UTC, for every caller
             self.as_of = self.as_of.replace(tzinfo=timezone.utc)
+
+    def readable(self, conn: psycopg.Connection) -> Readable:
+        """What these filters read: the caller's sources (readable.py), less the documents left out."""
+        visible = readable(conn, self.groups, self.source_id, self.as_of)
+        return dataclasses.replace(visible, hidden=visible.hidden + self.left_out) if self.left_out else visible
 
     @property
     def narrows(self) -> bool:
@@ -223,7 +231,7 @@ def search_explained(conn: psycopg.Connection, embedder: Embedder, query: str, k
         raise ValueError("lexical_weight must be between 0 and 1")
     query = normalise(query)  # as the chunks were (pipelines/ingest/clean.py): "ﬁle" finds "file"
     filters = dataclasses.replace(filters or Filters(), cards=MODES[mode])
-    visible = readable(conn, filters.groups, filters.source_id, filters.as_of)
+    visible = filters.readable(conn)
     query_class = classify(conn, query, visible.keys, {"dense": 0.0, "lexical": 1.0}.get(arm, lexical_weight),
                            filters.as_of)
     if not visible.sources:
