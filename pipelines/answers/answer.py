@@ -74,7 +74,7 @@ class Context:
     via_card: str | None = None  # the card's question, when a card found this context
     card_answer: str | None = None  # that card's answer
     coverage: float = 0.0  # its lexical evidence: the share of the question's rare vocabulary it holds
-    sentences: list[str] = field(default_factory=list, repr=False)  # the sentences that may answer
+    sentences: tuple[str, ...] = field(default=(), repr=False)  # the sentences that may answer
 
     def label(self) -> str:
         where = cited(self.document, self.page)
@@ -135,10 +135,10 @@ def probe_features(conn: psycopg.Connection, settings: Settings, embedder, probe
     `answer_question` would weigh its question for a caller in these groups, without the documents it leaves out."""
     remembering = _Remembering(embedder)
     vectors = remembering.embed([p.question for p in probes])
-    return [[gather(conn, settings, remembering, asked(p.question), 5, mode="qa_first", rerank=False,
+    found = [gather(conn, settings, remembering, asked(p.question), 5, mode="qa_first", rerank=False,
                     filters=Filters(groups=list(groups), left_out=p.left_out), calibration=DEFAULT,
-                    message_vector=v).found[f] for f in ev.FEATURES]
-            for p, v in zip(probes, vectors)]
+                    message_vector=v).found for p, v in zip(probes, vectors)]
+    return [[weighed[f] for f in ev.FEATURES] for weighed in found]
 
 
 def answer_question(conn: psycopg.Connection, settings: Settings, question: str, k: int = 5, *, mode: str = "qa_first",

@@ -40,11 +40,11 @@ from pipelines.answers import evidence as ev
 from pipelines.retrieval.readable import DOCUMENTS, Readable, readable
 
 MIN_CHUNKS = 20  # fewer chunks than this in a scope: too few probes to fit five weights, the default serves
-PROBE_CHUNKS = 60  # chunks a fit draws probes from (five probes each)
+PROBE_CHUNKS = 60  # chunk texts (a card question or a sentence) a fit draws probes from, five probes each
 REFIT_SHARE = 0.1  # a run that changed this share of a scope's chunks refits it
 RIDGE = 1.0  # probes can be separable: the penalty keeps the weights finite and close to zero where data is thin
 KEEP_WORDS = 0.5
-REWORDED = 2  # the share of a source sentence's content words a probe keeps
+REWORDED = 1  # the share of a source sentence's content words a probe keeps
 MAX_GROUP_SCOPES = 8  # groups calibrated besides the public scope (the largest ones)
 _WORD = re.compile(r"[A-Za-z][A-Za-z'-]*[A-Za-z]|\d[\d.,]*\d|\d")
 PROBE_WORDS = Path(__file__).with_name("probe_words.txt")
@@ -151,13 +151,12 @@ def _kept(words: list[str]) -> list[str]:
     return kept if len(kept) >= 3 else words[:3]
 
 
-def _source_text(text: str, card_question: str | None) -> str | None:
-    """What an answerable probe is made from: the chunk's card question, else its sentence with the most content
-    words (of 6 to 40 words; a heading or a table row says too little to ask about)."""
-    if card_question:
-        return card_question
-    sentences = [s for s in ev.answer_sentences(text) if 6 <= len(s.split()) <= 40]
-    return max(sentences, key=lambda s: (len(_content_words(s)), s), default=None)
+def _source_texts(text: str, card_question: str | None) -> list[str]:
+    """What answerable probes of a chunk are made from, best first: its card question, then its sentences with the
+    most content words (of 6 to 40 words; a heading or a table row says too little to ask about)."""
+    sentences = sorted((s for s in ev.answer_sentences(text) if 6 <= len(s.split()) <= 40),
+                       key=lambda s: (-len(_content_words(s)), s))
+    return ([card_question] if card_question else []) + sentences
 
 
 def _probe(words: list[str]) -> str:
@@ -181,12 +180,14 @@ class Probe:
 
 
 def build_probes(conn: psycopg.Connection, scope: Readable, limit: int = PROBE_CHUNKS) -> list[Probe]:
-    """Five probes for each of up to `limit` chunks of the scope (drawn by text hash: the same chunks while they
-    last): answerable and left_out, each as the chunk words it and reworded, and near_miss (module docstring)."""
+    """Five probes for each of up to `limit` texts of the scope's chunks (drawn by text hash: the same chunks while
+    they last): answerable and left_out, each as the chunk words it and reworded, and near_miss (module docstring)."""
     rows = conn.execute(SAMPLE, {**scope.params(), "limit": limit}).fetchall()
-    sources = [(chunk_id, source, locator, _source_text(text, question))
-               for chunk_id, source, locator, text, question in rows]
-    sources = [row for row in sources if row[3]]
+    texts = [(chunk_id, source, locator, _source_texts(text, question))
+             for chunk_id, source, locator, text, question in rows]
+    # One text per chunk, then a second one of each, and so on: a small knowledge base still gets `limit` probes.
+    sources = [(chunk_id, source, locator, found[n]) for n in range(max((len(t[3]) for t in texts), default=0))
+               for chunk_id, source, locator, found in texts if n < len(found)][:limit]
     if not sources:
         return []
     foreign = _foreign_words(conn, scope.keys)
@@ -199,7 +200,7 @@ def build_probes(conn: psycopg.Connection, scope: Readable, limit: int = PROBE_C
                   for lexemes in word_lexemes[at:at + len(words)]]
         at += len(words)
         by_rarity = sorted(range(len(words)), key=lambda n: (-rarity[n], n))
-        stranger = foreign[zlib.crc32(str(chunk_id).encode()) % len(foreign)]
+        stranger = foreign[zlib.crc32(f"{chunk_id}:{words}".encode()) % len(foreign)]
         middling = set(by_rarity[len(by_rarity) // 3:][:REWORDED])
         reworded = [stranger if n in middling else w for n, w in enumerate(words)]
         near_miss = [stranger if n == by_rarity[0] else w for n, w in enumerate(words)]

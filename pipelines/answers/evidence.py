@@ -17,6 +17,7 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import dataclass
+from functools import lru_cache
 from datetime import datetime
 
 import numpy as np
@@ -119,15 +120,17 @@ def _units(text: str) -> list[str]:
     return [s for line in lines for s in split_sentences(line) or [line]]
 
 
-def answer_sentences(text: str) -> list[str]:
-    """The sentences (or table rows) of a context that may answer: no questions, "A:" labels removed."""
+@lru_cache(maxsize=4096)
+def answer_sentences(text: str) -> tuple[str, ...]:
+    """The sentences (or table rows) of a context that may answer: no questions, "A:" labels removed. Cached: the
+    same chunks come back question after question (a calibration's probes, a busy server)."""
     out = []
     for sentence in _units(text):
         if not is_question_sentence(sentence):
             sentence = _ANSWER_LABEL.sub("", sentence).strip()
             if sentence:
                 out.append(sentence)
-    return out
+    return tuple(out)
 
 
 # What a question asks for, and how a value of that kind looks in a sentence.
