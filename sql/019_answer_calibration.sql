@@ -3,13 +3,16 @@
 -- point are fitted on probes built from the knowledge base itself (pipelines/answers/calibration.py): questions
 -- whose answer is a known chunk, and the same questions about things the knowledge base does not hold. A fit is
 -- per model and per scope: the sources readable with no group ('') or with one group, so that what a caller is
--- told never depends on documents it may not read (a caller uses the largest fit over sources it reads).
+-- told never depends on documents it may not read: a caller uses the largest fit that read nothing it may not read
+-- today (declarations change after a fit: the fit's own record of what it read decides).
 CREATE TABLE answer_calibrations (
     calibration_id bigserial PRIMARY KEY,
     model_key      text NOT NULL,
     scope_group    text NOT NULL,                 -- '' : the sources every caller reads; else one group's
     fitted_at      timestamptz NOT NULL DEFAULT now(),
     chunks         integer NOT NULL,              -- live chunks readable in the scope when fitted
+    sources        text[] NOT NULL,               -- what the fit read: these sources ...
+    hidden         text[] NOT NULL,               -- ... less these parts ('source_id' || E'\t' || locator prefix)
     weights        double precision[] NOT NULL,   -- bias, then evidence.FEATURES
     answer_at      double precision NOT NULL,     -- answer at or above this confidence
     report         jsonb NOT NULL                 -- probes by kind, and what the fit answers and refuses of them

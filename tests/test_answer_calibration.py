@@ -110,6 +110,26 @@ def test_a_caller_is_never_answered_with_a_fit_over_sources_it_cannot_read(conn,
     assert result["calibration"]["scope"] == "public"
 
 
+def test_a_source_restricted_after_the_fit_is_not_read_through_it(conn, embedder, settings, tmp_path):
+    """The public fit read a source that is restricted since: no caller is answered with it, and the next refresh
+    fits the public scope again without it (the declarations of today decide, as for every read)."""
+    from pipelines.sources.declarations import update_source
+
+    notes = tmp_path / "notes.jsonl"
+    notes.write_text("".join(f'{{"_id": "n{n}", "title": "Release {n}", "text": "Release {n} of the billing service'
+                             f' shipped in week {n} with {n + 2} fixes to invoices."}}\n' for n in range(30)))
+    add_source(conn, declare("faq", NEWCOMER_FAQ), "tests")
+    add_source(conn, declare("notes", notes), "tests")
+    ingest(conn, embedder, settings)
+    assert current(conn, embedder.model_key, []).chunks == 55
+    update_source(conn, "notes", "tests", groups=("billing",))
+    assert current(conn, embedder.model_key, []).origin == "default"  # the fit read what everyone may not
+    assert current(conn, embedder.model_key, ["billing"]).chunks == 55  # billing reads all that fit read
+    ingest(conn, embedder, settings)  # nothing changed in the files: the new declaration is what refits
+    assert (current(conn, embedder.model_key, []).chunks, current(conn, embedder.model_key, ["billing"]).chunks) \
+        == (25, 55)
+
+
 def test_a_knowledge_base_too_small_to_calibrate_keeps_the_default(conn, embedder, settings, tmp_path):
     small = tmp_path / "small.jsonl"
     small.write_text("".join(NEWCOMER_FAQ.read_text().splitlines(keepends=True)[:MIN_CHUNKS - 5]))

@@ -19,7 +19,8 @@ The fit weighs answerable and left_out probes equally and answers at the confide
 balanced accuracy between them. A fit is per model and per scope (the sources every caller reads, and each group's),
 so that what a caller is told never depends on documents it cannot read; a scope with fewer than MIN_CHUNKS chunks
 keeps the default weights (evidence.CONFIDENCE_WEIGHTS, fitted on SQuAD), and says so. The ingest flow's `calibrate`
-stage refits a scope when the model has none, or when a run changed at least REFIT_SHARE of its chunks.
+stage refits a scope when the model has none, when what the scope may read was declared otherwise since, or when a
+run changed at least REFIT_SHARE of its chunks.
 """
 
 from __future__ import annotations
@@ -49,15 +50,14 @@ MAX_GROUP_SCOPES = 8  # groups calibrated besides the public scope (the largest 
 _WORD = re.compile(r"[A-Za-z][A-Za-z'-]*[A-Za-z]|\d[\d.,]*\d|\d")
 PROBE_WORDS = Path(__file__).with_name("probe_words.txt")
 
-LATEST = """
-SELECT calibration_id, model_key, scope_group, fitted_at, chunks, weights, answer_at, report
+FITS = """
+SELECT calibration_id, model_key, scope_group, fitted_at, chunks, weights, answer_at, report, sources, hidden
 FROM answer_calibrations WHERE model_key = %(model)s AND (scope_group = '' OR scope_group = ANY(%(groups)s))
-ORDER BY chunks DESC, fitted_at DESC LIMIT 1
+ORDER BY chunks DESC, fitted_at DESC
 """
 OF_SCOPE = """
-SELECT DISTINCT ON (model_key, scope_group) calibration_id, scope_group, fitted_at, chunks
-FROM answer_calibrations WHERE model_key = %(model)s AND scope_group = %(group)s ORDER BY model_key, scope_group,
-fitted_at DESC
+SELECT calibration_id, scope_group, fitted_at, chunks, sources, hidden
+FROM answer_calibrations WHERE model_key = %(model)s AND scope_group = %(group)s ORDER BY fitted_at DESC LIMIT 1
 """
 SCOPE_CHUNKS = sql.SQL("""
 SELECT count(*) FILTER (WHERE c.valid_to IS NULL),
@@ -107,13 +107,15 @@ DEFAULT = Calibration(ev.CONFIDENCE_WEIGHTS, ev.ANSWER_AT, "default")
 
 
 def current(conn: psycopg.Connection, model_key: str, groups: list[str]) -> Calibration:
-    """The calibration a caller in these groups is answered with: the largest fit of the model over sources it may
-    all read (the public scope's, or one of its groups'); the default when there is none."""
-    row = conn.execute(LATEST, {"model": model_key, "groups": list(groups)}).fetchone()
-    if row is None:
-        return DEFAULT
-    _, model, group, fitted_at, chunks, weights, answer_at, report = row
-    return Calibration(tuple(weights), answer_at, "knowledge base", model, group, chunks, fitted_at, report)
+    """The calibration a caller in these groups is answered with: the largest fit of the model (the public scope's,
+    or one of its groups') that read nothing the caller may not read today; the default when there is none."""
+    visible = readable(conn, list(groups))
+    hidden = {f"{source}\t{prefix}" for source, prefix in visible.hidden}
+    for _, model, group, fitted_at, chunks, weights, answer_at, report, sources, fit_hidden in conn.execute(
+            FITS, {"model": model_key, "groups": list(groups)}).fetchall():
+        if set(sources) <= set(visible.ids) and {h for h in hidden if h.split("\t")[0] in sources} <= set(fit_hidden):
+            return Calibration(tuple(weights), answer_at, "knowledge base", model, group, chunks, fitted_at, report)
+    return DEFAULT
 
 
 def fit_logistic(x: np.ndarray, y: np.ndarray, ridge: float = 1e-3, steps: int = 50,
@@ -252,29 +254,38 @@ def scopes(conn: psycopg.Connection) -> list[str]:
     return [""] + [g for g, _ in conn.execute(GROUPS, (MAX_GROUP_SCOPES,)).fetchall()]
 
 
-def needs_fit(conn: psycopg.Connection, model_key: str, group: str) -> tuple[bool, int, str]:
-    """(whether the scope needs a fit, its live chunks, why)."""
+def needs_fit(conn: psycopg.Connection, model_key: str, group: str, changed: bool = True) -> tuple[bool, int, str]:
+    """(whether the scope needs a fit, its live chunks, why). `changed`: the run published or deleted something;
+    when it did not, only a scope without a fit, or whose readers' declarations changed, is looked at further."""
     scope = readable(conn, [group] if group else [])
     last = conn.execute(OF_SCOPE, {"model": model_key, "group": group}).fetchone()
+    reads_changed = last is not None and (set(last[4]) != set(scope.ids) or
+                                          set(last[5]) != {f"{s}\t{p}" for s, p in scope.hidden})
+    if last is not None and not changed and not reads_changed:
+        return False, last[3], "nothing published since the last fit"
     since = last[2] if last else datetime.fromtimestamp(0).astimezone()
-    live, changed = conn.execute(SCOPE_CHUNKS, {**scope.params(), "since": since}).fetchone()
+    live, touched = conn.execute(SCOPE_CHUNKS, {**scope.params(), "since": since}).fetchone()
     if live < MIN_CHUNKS:
         return False, live, f"{live} chunks, fewer than {MIN_CHUNKS}: the default weights serve"
     if last is None:
         return True, live, "no fit for this model yet"
-    if changed >= REFIT_SHARE * max(last[3], 1):
-        return True, live, f"{changed} chunks changed since the last fit ({last[3]} then)"
-    return False, live, f"{changed} chunks changed since the last fit: under {REFIT_SHARE:.0%}"
+    if reads_changed:
+        return True, live, "what the scope may read changed since the last fit"
+    if touched >= REFIT_SHARE * max(last[3], 1):
+        return True, live, f"{touched} chunks changed since the last fit ({last[3]} then)"
+    return False, live, f"{touched} chunks changed since the last fit: under {REFIT_SHARE:.0%}"
 
 
-def calibrate(conn: psycopg.Connection, settings, embedder, *, force: bool = False) -> list[dict]:
-    """Refit each scope that needs it (needs_fit; all of them with `force`) for the serving model; one dict per
-    scope saying what was done."""
+def calibrate(conn: psycopg.Connection, settings, embedder, *, changed: bool = True,
+              force: bool = False) -> list[dict]:
+    """Refit each scope that needs it (needs_fit; all of them with `force`) for the serving model, and forget the
+    fits of groups no source names any more; one dict per scope saying what was done."""
     from pipelines.answers.answer import probe_features
 
-    done = []
-    for group in scopes(conn):
-        due, live, why = needs_fit(conn, embedder.model_key, group)
+    done, fitted = [], scopes(conn)
+    conn.execute("DELETE FROM answer_calibrations WHERE scope_group <> ALL(%s)", (fitted,))
+    for group in fitted:
+        due, live, why = needs_fit(conn, embedder.model_key, group, changed)
         if not (due or (force and live >= MIN_CHUNKS)):
             done.append({"scope": group or "public", "fitted": False, "why": why})
             continue
@@ -286,9 +297,10 @@ def calibrate(conn: psycopg.Connection, settings, embedder, *, force: bool = Fal
         weights, answer_at, report = fit(probes)
         with conn.transaction():
             calibration_id = conn.execute(
-                "INSERT INTO answer_calibrations (model_key, scope_group, chunks, weights, answer_at, report)"
-                " VALUES (%s, %s, %s, %s, %s, %s) RETURNING calibration_id",
-                (embedder.model_key, group, live, list(weights), answer_at, Jsonb(report))).fetchone()[0]
+                "INSERT INTO answer_calibrations (model_key, scope_group, chunks, sources, hidden, weights, answer_at,"
+                " report) VALUES (%s, %s, %s, %s, %s, %s, %s, %s) RETURNING calibration_id",
+                (embedder.model_key, group, live, scope.ids, [f"{s}\t{p}" for s, p in scope.hidden], list(weights),
+                 answer_at, Jsonb(report))).fetchone()[0]
             with conn.cursor() as cursor:
                 cursor.executemany(
                     "INSERT INTO answer_probes (calibration_id, probe, chunk_id, source_id, kind, question, features,"
@@ -304,17 +316,13 @@ def calibrate(conn: psycopg.Connection, settings, embedder, *, force: bool = Fal
 
 def calibration_stage(conn: psycopg.Connection, settings, changed: bool) -> "StageReport":
     """The flow's `calibrate` stage: refit what needs it (needs_fit) for the serving model. A run that published
-    nothing looks only for a model without a fit (one indexed query per scope), so a no-op refresh stays cheap."""
+    nothing reads a few rows per scope, so a no-op refresh stays cheap."""
     from pipelines.ingest.report import StageReport
     from pipelines.retrieval.responses import query_embedder
 
     report = StageReport("calibrate", ("scopes", "fitted", "probes"))
-    embedder = query_embedder(conn, settings)
-    unfitted = [g for g in scopes(conn)
-                if conn.execute(OF_SCOPE, {"model": embedder.model_key, "group": g}).fetchone() is None]
-    if changed or unfitted:
-        done = calibrate(conn, settings, embedder)
-        report.counts.update(scopes=len(done), fitted=sum(d["fitted"] for d in done),
-                             probes=sum(sum(d.get("probes", {}).values()) for d in done))
-        report.notes["calibrations"] = done
+    done = calibrate(conn, settings, query_embedder(conn, settings), changed=changed)
+    report.counts.update(scopes=len(done), fitted=sum(d["fitted"] for d in done),
+                         probes=sum(sum(d.get("probes", {}).values()) for d in done))
+    report.notes["calibrations"] = done
     return report.finish()
