@@ -321,7 +321,13 @@ def calibration_stage(conn: psycopg.Connection, settings, changed: bool) -> "Sta
     from pipelines.retrieval.responses import query_embedder
 
     report = StageReport("calibrate", ("scopes", "fitted", "probes"))
-    done = calibrate(conn, settings, query_embedder(conn, settings), changed=changed)
+    try:
+        done = calibrate(conn, settings, query_embedder(conn, settings), changed=changed)
+    except psycopg.Error:
+        raise
+    except Exception as exc:  # an embedding endpoint that fails (openai's errors): the last fit keeps serving
+        report.notes["calibrations"] = [{"fitted": False, "why": f"not refit: {type(exc).__name__}: {exc}"}]
+        return report.finish()
     report.counts.update(scopes=len(done), fitted=sum(d["fitted"] for d in done),
                          probes=sum(sum(d.get("probes", {}).values()) for d in done))
     report.notes["calibrations"] = done
