@@ -131,7 +131,7 @@ def test_every_asset_has_owners_tags_real_upstreams_and_points_at_its_table(conn
             assert conn.execute("SELECT to_regclass(%s)", (table.split(".", 1)[1],)).fetchone()[0] is not None
     assert sum("dagster/table_name" in graph.get(key).metadata for key in STAGE_KEYS) == 8
     stages = [graph.get(key).tags.get("stage") for key in STAGE_KEYS]
-    assert stages == ["extract", "parse", "chunk", "enrich", "embed", "publish", "cards"]
+    assert stages == ["extract", "parse", "chunk", "enrich", "embed", "publish", "cards", "calibrate"]
 
 
 def test_the_staleness_sweep_runs_on_an_automation_condition_not_a_schedule(conn):
