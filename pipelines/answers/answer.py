@@ -152,7 +152,7 @@ def answer_question(conn: psycopg.Connection, settings: Settings, question: str,
     embedder = query_embedder(conn, settings)
     client = openai_client(settings) if settings.chat_model else None
     message = asked(question)
-    message_vector = embed_query(embedder, question)  # once: retrieval, compression and extraction score with it
+    message_vector = embed_query(embedder, question)  # once: retrieval, and the evidence when there is no situation
     vector = None
     if hyde:
         if client is None:
