@@ -71,6 +71,19 @@ def test_full_ingest_through_the_openai_path(conn, settings):
     assert conn.execute("SELECT vector_table FROM embedding_models").fetchone()[0] == "vectors_openai_fake_embed_8"
 
 
+def test_a_process_given_another_endpoint_for_the_same_model_asks_the_new_one(conn, settings, monkeypatch):
+    """Found by the full suite: the query embedder was cached by model key alone, so once one endpoint had served
+    `openai:fake-embed:8`, a later configuration with another endpoint kept asking the first, gone, one."""
+    from pipelines.retrieval import responses
+
+    monkeypatch.setattr(responses, "_embedders", {})
+    for _ in range(2):
+        with FakeOpenAI() as fake:
+            embedder = responses._query_embedder(conn, "openai:fake-embed:8", openai_settings(settings, fake))
+            assert embedder.embed(["reset VPN token"]).shape == (1, DIMENSIONS)
+        assert fake.batches == [1]
+
+
 def test_the_model_key_comes_from_the_configuration_never_from_the_endpoint(settings):
     with FakeOpenAI(dimensions=4) as fake:
         native = OpenAIEmbedder(dataclasses.replace(openai_settings(settings, fake), openai_dimensions=None))

@@ -74,6 +74,6 @@ def test_search_with_diversity_embeds_the_query_once(kb, embedder, settings, mon
             calls.append(texts)
             return embedder.embed(texts)
 
-    monkeypatch.setitem(service._embedders, embedder.model_key, Counting())
+    monkeypatch.setitem(service._embedders, (embedder.model_key, settings.openai_base_url), Counting())
     response = service.run_search(kb, settings, "primary and secondary caregiver leave", 3, diversity=0.5)
     assert len(response["chunks"]) == 3 and calls == [["primary and secondary caregiver leave"]]

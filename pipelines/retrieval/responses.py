@@ -30,15 +30,17 @@ def _serving_model(conn: psycopg.Connection) -> str:
     return model
 
 
-_embedders: dict[str, Embedder] = {}
+_embedders: dict[tuple[str, str | None], Embedder] = {}
 
 
 def _query_embedder(conn: psycopg.Connection, model_key: str, settings: Settings) -> Embedder:
-    """Loaded once per process and model: a server must not reload the model per request. Query vectors are held
-    to the model's registered dimension, whatever its endpoint answers."""
-    if model_key not in _embedders:
-        _embedders[model_key] = embedder_for(model_key, settings, registered_dimensions(conn, model_key))
-    return _embedders[model_key]
+    """Loaded once per process, model and endpoint: a server must not reload the model per request, and a process
+    given another endpoint for the same model (a second configuration, an endpoint moved) must not keep asking the
+    old one. Query vectors are held to the model's registered dimension, whatever its endpoint answers."""
+    key = (model_key, settings.openai_base_url)
+    if key not in _embedders:
+        _embedders[key] = embedder_for(model_key, settings, registered_dimensions(conn, model_key))
+    return _embedders[key]
 
 
 _rerankers: dict[tuple, object] = {}
