@@ -41,7 +41,7 @@ class Settings:
     openai_concurrency: int = 4
     openai_max_retries: int = 6
     openai_timeout_s: float = 60.0
-    batch_documents: int = 64
+    batch_documents: int = 1_000  # documents per publish batch, at most (publish.BATCH_CHUNKS bounds its drafts)
     embed_batch_size: int = 256
     freshness_hours: float = 24.0
     retention_days: int | None = None  # purge closed versions older than this; None keeps all history
@@ -140,7 +140,7 @@ def _load(env) -> Settings:
         openai_batch_size=int(env.get("KB_OPENAI_BATCH_SIZE", "128")),
         openai_concurrency=int(env.get("KB_OPENAI_CONCURRENCY", "4")),
         openai_max_retries=int(env.get("KB_OPENAI_MAX_RETRIES", "6")),
-        batch_documents=int(env.get("KB_BATCH_DOCUMENTS", "64")),
+        batch_documents=int(env.get("KB_BATCH_DOCUMENTS", "1000")),
         embed_batch_size=int(env.get("KB_EMBED_BATCH_SIZE", "256")),
         freshness_hours=float(env.get("KB_FRESHNESS_HOURS", "24")),
         retention_days=int(env["KB_RETENTION_DAYS"]) if env.get("KB_RETENTION_DAYS") else None,

@@ -9,6 +9,7 @@ therefore becomes visible to search at once, and a re-run with the same input wr
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Iterator
 
 import psycopg
 from psycopg import sql
@@ -22,7 +23,7 @@ from pipelines.storage.vectors import model_tables
 
 # Documents whose drafts are all enriched and embedded in every model that serves or is being built.
 READY = """
-SELECT d.document_id, d.content_hash
+SELECT d.document_id, d.content_hash, (SELECT count(*) FROM chunk_drafts c WHERE c.document_id = d.document_id)
 FROM documents d
 WHERE d.deleted_at IS NULL
   AND EXISTS (SELECT 1 FROM chunk_drafts c WHERE c.document_id = d.document_id)
@@ -144,7 +145,28 @@ def delete_vanished(conn: psycopg.Connection, source_ids: list[str] | None, repo
         report.counts["deleted"] += served
 
 
-def publish_ready(conn: psycopg.Connection, source_ids: list[str] | None = None, batch_size: int = 64,
+# The drafts one batch publishes at most (a single document with more is a batch of its own). The lexical bookkeeping
+# (sql/functions/lexical.sql) updates each term a batch touches once, so that fewer, larger batches publish faster
+# (600 SciFact records: 3.1 s in batches of 64 documents, 1.6 s in batches of 512, about 1,000 chunks), while the
+# drafts a batch holds in memory stay bounded however long its documents are.
+BATCH_CHUNKS = 2_000
+
+
+def _batches(ready: list[tuple[int, str, int]], documents: int) -> Iterator[list[tuple[int, str]]]:
+    """`ready` (document, hash, drafts) cut into batches of at most `documents` documents and BATCH_CHUNKS drafts."""
+    batch: list[tuple[int, str]] = []
+    held = 0
+    for document_id, content_hash, drafts in ready:
+        if batch and (len(batch) >= documents or held + drafts > BATCH_CHUNKS):
+            yield batch
+            batch, held = [], 0
+        batch.append((document_id, content_hash))
+        held += drafts
+    if batch:
+        yield batch
+
+
+def publish_ready(conn: psycopg.Connection, source_ids: list[str] | None = None, batch_size: int = 1_000,
                   progress: Progress = NO_PROGRESS, model_keys: list[str] | None = None) -> StageReport:
     """Delete what the crawl found gone, then publish the documents whose drafts have vectors in every model of
     `model_keys` (the run's: the configured and the serving model; default every registered one). The run calls it
@@ -161,8 +183,8 @@ def publish_ready(conn: psycopg.Connection, source_ids: list[str] | None = None,
     ready = conn.execute(sql.SQL(READY).format(missing_vector=missing),
                          {"enricher": ENRICH_VERSION, "ids": source_ids}).fetchall()
     progress.total(len(ready))
-    for start in range(0, len(ready), batch_size):
-        publish_batch(conn, ready[start:start + batch_size], report)
-        progress.advance(len(ready[start:start + batch_size]))
+    for batch in _batches(ready, batch_size):
+        publish_batch(conn, batch, report)
+        progress.advance(len(batch))
     report.counts["chunks_written"] = report.counts["chunks_inserted"] + report.counts["chunks_updated"] + report.counts["chunks_closed"]
     return report.finish()
