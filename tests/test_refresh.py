@@ -387,3 +387,13 @@ def test_staleness_sweep_flags_sources_not_crawled_in_time_and_retention_purges(
     assert conn.execute("SELECT count(*) FROM chunks WHERE valid_to IS NOT NULL").fetchone()[0] == 0
     assert drafted and conn.execute(f"SELECT count(*) FROM chunk_drafts d JOIN {VECTORS} v USING (text_hash)"
                                     ).fetchone()[0] == conn.execute("SELECT count(*) FROM chunk_drafts").fetchone()[0]
+
+
+def test_publish_batches_are_bounded_by_drafts_as_well_as_documents():
+    """Issue 32: publish batches grew from 64 documents to BATCH_CHUNKS drafts; a batch's drafts in memory stay
+    bounded however long its documents are, and a document longer than the bound is a batch of its own."""
+    from pipelines.ingest.publish import BATCH_CHUNKS, _batches
+
+    ready = [(1, "a", BATCH_CHUNKS + 5), (2, "b", BATCH_CHUNKS // 2), (3, "c", BATCH_CHUNKS // 2), (4, "d", 1)]
+    assert list(_batches(ready, 1_000)) == [[(1, "a")], [(2, "b"), (3, "c")], [(4, "d")]]
+    assert [len(b) for b in _batches([(n, "h", 1) for n in range(25)], 10)] == [10, 10, 5]
