@@ -397,8 +397,8 @@ def status(as_json) -> None:
     text.append(f"models: {', '.join(m['model_key'] + ' (' + m['state'] + ')' for m in data['models']) or 'none'}")
     text += [f"answer calibration ({c['model_key']}, {c['scope']} sources): answers at confidence {c['answer_at']},"
              f" fitted {_when(c['fitted_at'])} on {c['chunks']} chunks; of its probes it answers"
-             f" {c['report']['answered']['answerable']:.0%} answerable, refuses {c['report']['refused']['left_out']:.0%}"
-             f" left out and {c['report']['refused'].get('near_miss', 0):.0%} near misses"
+             f" {c['report']['answered']['answerable']:.0%} answerable and refuses"
+             f" {c['report']['refused']['left_out']:.0%} left out"
              for c in data["answer_calibrations"]] or ["answer calibration: none (the default weights serve; a"
                                                        f" refresh fits one once a scope has {MIN_CHUNKS} chunks)"]
     if run := data["last_run"]:

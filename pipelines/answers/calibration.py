@@ -11,9 +11,11 @@ its own, on probes it builds from its own chunks and runs through the very code 
   rarity swapped for a word the knowledge base never uses (probe_words.txt), as a person's own wording would;
 - *left_out*: the same two questions asked as if the chunk's document were not in the knowledge base (the filters'
   `left_out`): a question about a document it does not hold, on a topic it does hold, which is what makes
-  out-of-corpus questions hard to refuse. The pair differs in one thing only, whether the answer is there;
-- *near_miss*: the question with its rarest word swapped: the documents are about the topic but do not say this.
-  Not fitted on (no evidence kb weighs tells it from a paraphrase); the report says how many of them a fit refuses.
+  out-of-corpus questions hard to refuse. The pair differs in one thing only, whether the answer is there.
+
+No other kind is probed: each probe is a retrieval and the embedding of its contexts' sentences (about 0.1 s on two
+cores), and the fit only weighs these two. A *near miss* (the rarest word swapped: on the topic, not said) was probed
+and reported until issue 32, never fitted on; it was a fifth of a first ingest's calibration.
 
 The fit weighs answerable and left_out probes equally and answers at the confidence, in steps of 0.05, with the best
 balanced accuracy between them. A fit is per model and per scope (the sources every caller reads, and each group's),
@@ -41,7 +43,7 @@ from pipelines.answers import evidence as ev
 from pipelines.retrieval.readable import DOCUMENTS, Readable, readable
 
 MIN_CHUNKS = 20  # fewer chunks than this in a scope: too few probes to fit five weights, the default serves
-PROBE_CHUNKS = 60  # chunk texts (a card question or a sentence) a fit draws probes from, five probes each
+PROBE_CHUNKS = 60  # chunk texts (a card question or a sentence) a fit draws probes from, four probes each
 REFIT_SHARE = 0.1  # a run that changed this share of a scope's chunks refits it
 RIDGE = 1.0  # probes can be separable: the penalty keeps the weights finite and close to zero where data is thin
 KEEP_WORDS = 0.5
@@ -182,8 +184,8 @@ class Probe:
 
 
 def build_probes(conn: psycopg.Connection, scope: Readable, limit: int = PROBE_CHUNKS) -> list[Probe]:
-    """Five probes for each of up to `limit` texts of the scope's chunks (drawn by text hash: the same chunks while
-    they last): answerable and left_out, each as the chunk words it and reworded, and near_miss (module docstring)."""
+    """Four probes for each of up to `limit` texts of the scope's chunks (drawn by text hash: the same chunks while
+    they last): answerable and left_out, each as the chunk words it and reworded (module docstring)."""
     rows = conn.execute(SAMPLE, {**scope.params(), "limit": limit}).fetchall()
     texts = [(chunk_id, source, locator, _source_texts(text, question))
              for chunk_id, source, locator, text, question in rows]
@@ -205,10 +207,8 @@ def build_probes(conn: psycopg.Connection, scope: Readable, limit: int = PROBE_C
         stranger = foreign[zlib.crc32(f"{chunk_id}:{words}".encode()) % len(foreign)]
         middling = set(by_rarity[len(by_rarity) // 3:][:REWORDED])
         reworded = [stranger if n in middling else w for n, w in enumerate(words)]
-        near_miss = [stranger if n == by_rarity[0] else w for n, w in enumerate(words)]
         probes += [Probe(chunk_id, source, locator, kind, _probe(question)) for kind, question in (
-            ("answerable", words), ("answerable", reworded), ("left_out", words), ("left_out", reworded),
-            ("near_miss", near_miss))]
+            ("answerable", words), ("answerable", reworded), ("left_out", words), ("left_out", reworded))]
     return probes
 
 
@@ -226,22 +226,21 @@ def fit(probes: list[Probe]) -> tuple[tuple[float, ...], float, dict]:
     weighed equally; the operating point has the best balanced accuracy (ties: nearest 0.5)."""
     x = np.array([p.features for p in probes], dtype=float)
     kinds = np.array([probe.kind for probe in probes])
-    fitted = kinds != "near_miss"
-    y = (kinds[fitted] == "answerable").astype(float)
+    y = (kinds == "answerable").astype(float)
     positives, negatives = max(y.sum(), 1.0), max(len(y) - y.sum(), 1.0)
-    w = fit_logistic(x[fitted], y, RIDGE, sample_weight=np.where(y == 1, 0.5 / positives, 0.5 / negatives) * len(y))
+    w = fit_logistic(x, y, RIDGE, sample_weight=np.where(y == 1, 0.5 / positives, 0.5 / negatives) * len(y))
     p = 1 / (1 + np.exp(-(w[0] + x @ w[1:])))
 
     def shares(at: float) -> tuple[dict, dict]:
-        answered = {"answerable": float((p[kinds == "answerable"] >= at).mean())}
-        refused = {k: float((p[kinds == k] < at).mean()) for k in ("left_out", "near_miss") if (kinds == k).any()}
+        answered = {"answerable": float((p[y == 1] >= at).mean())}
+        refused = {"left_out": float((p[y == 0] < at).mean())} if (y == 0).any() else {}
         return answered, refused
 
     steps = [round(float(t), 2) for t in np.arange(0.05, 0.96, 0.05)]
     answer_at = max(steps, key=lambda t: (shares(t)[0]["answerable"] + shares(t)[1].get("left_out", 1.0),
                                           -abs(t - 0.5)))
     answered, refused = shares(answer_at)
-    report = {"probes": {k: int((kinds == k).sum()) for k in ("answerable", "left_out", "near_miss")},
+    report = {"probes": {k: int((kinds == k).sum()) for k in ("answerable", "left_out")},
               "answered": {k: round(v, 3) for k, v in answered.items()},
               "refused": {k: round(v, 3) for k, v in refused.items()}}
     for probe, confidence in zip(probes, p):
