@@ -41,6 +41,7 @@ class FakeOpenAI:
         self.delay_s = delay_s
         self.batches: list[int] = []
         self.attempt_times: list[float] = []
+        self.keys: list[str] = []  # the API key each request was sent with
         self.in_flight = self.max_in_flight = 0
         self.lock = threading.Lock()
         fake = self
@@ -53,6 +54,7 @@ class FakeOpenAI:
                 body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
                 with fake.lock:
                     fake.attempt_times.append(time.monotonic())
+                    fake.keys.append(self.headers.get("Authorization", "").removeprefix("Bearer "))
                     failure = fake.failures.pop(0) if fake.failures else None
                     fake.in_flight += 1
                     fake.max_in_flight = max(fake.max_in_flight, fake.in_flight)

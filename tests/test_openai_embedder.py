@@ -84,6 +84,21 @@ def test_a_process_given_another_endpoint_for_the_same_model_asks_the_new_one(co
         assert fake.batches == [1]
 
 
+def test_a_key_rotated_in_a_running_process_is_sent_from_the_next_query_on(conn, settings, monkeypatch):
+    """The query embedder was cached by model and endpoint: a server given the new key after a rotation (a second
+    configuration in the same process) kept sending the revoked one, which a real endpoint refuses with 401."""
+    from pipelines.retrieval import responses
+
+    monkeypatch.setattr(responses, "_embedders", {})
+    with FakeOpenAI() as fake:
+        sent = []
+        for key in ("old-key", "new-key"):
+            rotated = dataclasses.replace(openai_settings(settings, fake), openai_api_key=key)
+            responses._query_embedder(conn, "openai:fake-embed:8", rotated).embed(["reset VPN token"])
+            sent.append(fake.keys[-1])
+    assert sent == ["old-key", "new-key"]
+
+
 def test_the_model_key_comes_from_the_configuration_never_from_the_endpoint(settings):
     with FakeOpenAI(dimensions=4) as fake:
         native = OpenAIEmbedder(dataclasses.replace(openai_settings(settings, fake), openai_dimensions=None))

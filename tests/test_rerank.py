@@ -1,5 +1,6 @@
 """Optional post-fusion stages: cross-encoder and listwise LLM rerankers, MMR diversity, freshness boost."""
 
+import dataclasses
 from datetime import date
 
 import numpy as np
@@ -28,6 +29,20 @@ def test_llm_reranker_follows_the_models_order_and_keeps_the_rest(kb, embedder, 
         reranked = LLMReranker(openai_settings(settings, fake), "fake-chat").rerank("servo drive fault codes", hits)
     assert [h.chunk_id for h in reranked] == [before[2], before[0], before[1], before[3], before[4]]
     assert "Query: servo drive fault codes" in fake.prompts[0] and "[5]" in fake.prompts[0]
+
+
+def test_the_llm_reranker_of_a_new_configuration_asks_with_its_own_key(kb, embedder, settings, monkeypatch):
+    """Rerankers are cached per process: one built for the old key must not serve a configuration with the new."""
+    from pipelines.retrieval import responses as service
+
+    monkeypatch.setattr(service, "_rerankers", {})
+    hits = search(kb, embedder, "servo drive fault codes", 3)
+    with FakeOpenAI(chat_reply="[1]") as fake:
+        for key in ("old-key", "new-key"):
+            configured = dataclasses.replace(openai_settings(settings, fake), rerank="llm", rerank_model="fake-chat",
+                                             openai_api_key=key)
+            service._reranker(configured).rerank("servo drive fault codes", hits)
+    assert fake.keys == ["old-key", "new-key"]
 
 
 def test_cross_encoder_reranker_orders_by_the_models_scores(kb, embedder, tmp_path):
@@ -74,6 +89,6 @@ def test_search_with_diversity_embeds_the_query_once(kb, embedder, settings, mon
             calls.append(texts)
             return embedder.embed(texts)
 
-    monkeypatch.setitem(service._embedders, (embedder.model_key, settings.openai_base_url), Counting())
+    monkeypatch.setitem(service._embedders, service.embedder_key(embedder.model_key, settings), Counting())
     response = service.run_search(kb, settings, "primary and secondary caregiver leave", 3, diversity=0.5)
     assert len(response["chunks"]) == 3 and calls == [["primary and secondary caregiver leave"]]

@@ -4,6 +4,7 @@ exponential backoff and honours Retry-After, as for embeddings."""
 
 from __future__ import annotations
 
+import hashlib
 import os
 import socket
 from urllib.parse import urlsplit
@@ -21,6 +22,14 @@ class ChatNotConfigured(RuntimeError):
 
 def endpoint(settings: Settings) -> str:
     return settings.openai_base_url or OPENAI_ENDPOINT
+
+
+def client_identity(settings: Settings) -> tuple:
+    """What tells two OpenAI clients apart (endpoint, key, retries, timeout): a client or embedder cached in a
+    process is reused only under the same identity, so a moved endpoint, a rotated key or a second configuration
+    is never answered by the old one. The key enters as a digest, so the cache's keys never hold it."""
+    key = hashlib.sha256(settings.openai_api_key.encode()).hexdigest() if settings.openai_api_key else None
+    return endpoint(settings), key, settings.openai_max_retries, settings.openai_timeout_s
 
 
 def _user(settings: Settings) -> str:

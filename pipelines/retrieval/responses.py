@@ -5,6 +5,7 @@ from __future__ import annotations
 import psycopg
 from psycopg import sql
 
+from pipelines.models.chat import client_identity
 from pipelines.models.embedders import Embedder, embedder_for
 from pipelines.retrieval.readable import DOCUMENTS, readable
 from pipelines.retrieval.search import (
@@ -30,14 +31,19 @@ def _serving_model(conn: psycopg.Connection) -> str:
     return model
 
 
-_embedders: dict[tuple[str, str | None], Embedder] = {}
+_embedders: dict[tuple, Embedder] = {}
+
+
+def embedder_key(model_key: str, settings: Settings) -> tuple:
+    return model_key, *client_identity(settings)
 
 
 def _query_embedder(conn: psycopg.Connection, model_key: str, settings: Settings) -> Embedder:
-    """Loaded once per process, model and endpoint: a server must not reload the model per request, and a process
-    given another endpoint for the same model (a second configuration, an endpoint moved) must not keep asking the
-    old one. Query vectors are held to the model's registered dimension, whatever its endpoint answers."""
-    key = (model_key, settings.openai_base_url)
+    """Loaded once per process, model and client identity: a server must not reload the model per request, and a
+    process given another endpoint or key for the same model (a second configuration, an endpoint moved, a key
+    rotated) must not keep asking with the old one. Query vectors are held to the model's registered dimension,
+    whatever its endpoint answers."""
+    key = embedder_key(model_key, settings)
     if key not in _embedders:
         _embedders[key] = embedder_for(model_key, settings, registered_dimensions(conn, model_key))
     return _embedders[key]
@@ -47,7 +53,7 @@ _rerankers: dict[tuple, object] = {}
 
 
 def _reranker(settings: Settings):
-    key = (settings.rerank, settings.rerank_model)
+    key = (settings.rerank, settings.rerank_model, *client_identity(settings))  # the llm reranker's client
     if key not in _rerankers:
         from pipelines.retrieval.rerank import make_reranker
 
