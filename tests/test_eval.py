@@ -59,10 +59,12 @@ def test_kb_eval_on_a_scifact_slice(settings, scifact_slice, tmp_path):
     data = json.loads(result.stdout)[scifact_slice.name]
     assert data["queries"] == 30 and data["ingest"]["documents_published"] == data["ingest"]["documents_seen"]
     metrics = {name: r["metrics"] for name, r in data["results"].items()}
-    # Known numbers for this slice (default int8 all-MiniLM-L6-v2; fp32 gave dense hit@5 0.9333, nDCG 0.8748).
+    # Known numbers for this slice (default int8 all-MiniLM-L6-v2; fp32 gave dense hit@5 0.9333, nDCG 0.8748), to
+    # one query in 30 either way: another CPU family's int8 kernels move near-tied queries (an AMD EPYC with AVX2
+    # and no VNNI: dense hit@1 0.8333 and hybrid 0.6, a query each way from the Intel machine these were measured on).
     for config, values in KNOWN.items():
         for metric, value in values.items():
-            assert metrics[config][metric] == pytest.approx(value, abs=0.02), (config, metric)
+            assert metrics[config][metric] == pytest.approx(value, abs=ONE_QUERY), (config, metric)
     assert all(len(r["misses"]) == round(30 * (1 - r["metrics"]["hit@10"])) for r in data["results"].values())
     assert all(r["latency_ms"]["median"] > 0 for r in data["results"].values())
 
@@ -87,6 +89,7 @@ def test_kb_eval_on_a_scifact_slice(settings, scifact_slice, tmp_path):
         assert f"{delta['wins']} wins, {delta['losses']} losses" in page
 
 
+ONE_QUERY = 1 / 30 + 0.001
 KNOWN = {
     # Issue 18 (int8 r3: each text embedded alone): dense hit@5 0.9 -> 0.9333, nDCG@10 0.8692 -> 0.8792;
     # hybrid hit@1 0.6 -> 0.6333, hit@5 0.9667 -> 0.9333, nDCG@10 0.7981 -> 0.8161.
