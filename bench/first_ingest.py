@@ -46,12 +46,14 @@ def run_ingest(corpus: Path, env: dict) -> tuple[float, dict]:
 def run_langchain(python: Path, corpus: Path, server_url: str) -> dict:
     """bench/langchain_ingest.py as a child of the peer's environment, into a fresh database of kb's server."""
     import psycopg
+    from sqlalchemy.engine import URL
 
     from pipelines.storage.database import ensure_database
 
     info = psycopg.conninfo.conninfo_to_dict(ensure_database(server_url, "langchain_bench"))
-    url = (f"postgresql+psycopg://{info.get('user', 'postgres')}@/{info['dbname']}?host={info['host']}"
-           + (f"&port={info['port']}" if info.get("port") else ""))
+    url = URL.create("postgresql+psycopg", username=info.get("user", "postgres"), password=info.get("password"),
+                     database=info["dbname"], query={k: info[k] for k in ("host", "port") if info.get(k)}
+                     ).render_as_string(hide_password=False)
     done = subprocess.run([str(python), "-m", "bench.langchain_ingest", str(corpus), "--url", url],
                           cwd=Path(__file__).parent.parent, capture_output=True, text=True, check=True)
     return json.loads(done.stdout.strip().splitlines()[-1])
