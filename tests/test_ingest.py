@@ -81,6 +81,25 @@ def test_second_run_writes_nothing_and_embeds_nothing(conn, embedder):
     assert snapshot(conn) == before
 
 
+def test_a_first_publish_leaves_the_planner_statistics_of_what_it_wrote(conn, embedder):
+    """The migrations analyzed the tables empty; a first ingest must not leave the planner believing that while the
+    calibrate stage, the gate and the first users search them (autovacuum would catch up only a minute later)."""
+    def believed() -> dict:
+        return dict(conn.execute("SELECT relname, reltuples FROM pg_class WHERE relname = ANY(%s)",
+                                 (["chunks", "lexical_postings", VECTORS],)).fetchall())
+
+    assert believed()["chunks"] <= 0  # the migrations' statistics: empty
+    summary = ingest_samples(conn, embedder)
+    rows = {table: conn.execute(f"SELECT count(*) FROM {table}").fetchone()[0] for table in believed()}
+    # Analyzed whole (they are small) when the publish committed; the cards stage added a few chunks since.
+    assert all(believed()[table] > 0.8 * rows[table] for table in rows), (believed(), rows)
+    publish = next(r for r in summary.stages if r.stage == "publish")
+    assert set(publish.notes["analyzed"]) >= {"chunks", "lexical_postings", VECTORS}
+
+    again = ingest_samples(conn, embedder)  # wrote nothing: nothing to analyze
+    assert "analyzed" not in next(r for r in again.stages if r.stage == "publish").notes
+
+
 def test_touched_but_identical_file_is_not_reparsed(conn, embedder, samples_copy):
     ingest_samples(conn, embedder, samples_copy)
     os.utime(samples_copy / "handbook/leave-policy.md", (1_700_000_000, 1_700_000_000))

@@ -29,7 +29,8 @@ from pipelines.models.embedders import Embedder, embedder_for
 from pipelines.settings import Settings
 from pipelines.sources.declarations import changed_since_applied, load_sources
 from pipelines.storage.locks import source_locks
-from pipelines.storage.vectors import active_model
+from pipelines.storage.statistics import analyze_if_stale
+from pipelines.storage.vectors import active_model, model_tables
 
 # progress(stage) -> what that stage reports to while it runs (pipelines/ingest/report.Progress)
 ProgressFactory = Callable[[str], Progress]
@@ -141,13 +142,21 @@ class IngestRun:
 
     def run_stage(self, stage: Stage) -> StageReport:
         """Run one stage and record its report. The gated stage runs with the golden-set gate in one transaction:
-        a gate below its floor rolls it back, is recorded with the gate's result, and is raised as GateFailed."""
+        a gate below its floor rolls it back, is recorded with the gate's result, and is raised as GateFailed. Once
+        it commits, the tables it filled are analyzed if it wrote a large share of them (storage/statistics.py); its
+        time counts the gate and that."""
         progress = self.progress(stage.name)
         try:
             if stage.gated:
                 with self.conn.transaction():
                     report = stage.run(self, progress)
                     self._gate(report)
+                tables = model_tables(self.conn)
+                if analyzed := analyze_if_stale(self.conn, report.counts["chunks_written"],
+                                                tuple(tables[m.model_key] for m in self.models_in_use()
+                                                      if m.model_key in tables)):
+                    report.notes["analyzed"] = analyzed
+                report.finish()
             else:
                 report = stage.run(self, progress)
         except GateFailed as failed:
