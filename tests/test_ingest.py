@@ -100,6 +100,18 @@ def test_a_first_publish_leaves_the_planner_statistics_of_what_it_wrote(conn, em
     assert "analyzed" not in next(r for r in again.stages if r.stage == "publish").notes
 
 
+def test_the_statistics_never_wait_on_maintenance(conn, settings):
+    """An operator's VACUUM (or an index build) holds a table: the run does not wait for it; autovacuum analyzes that
+    table later, and the others are analyzed now."""
+    from pipelines.storage.database import connect as open_connection
+    from pipelines.storage.statistics import analyze_if_stale
+
+    conn.execute("SET statement_timeout = '120s'")  # a run that waited would fail here, not hang the suite
+    with open_connection(settings) as maintenance, maintenance.transaction():
+        maintenance.execute("LOCK TABLE lexical_postings IN SHARE UPDATE EXCLUSIVE MODE")  # what VACUUM takes
+        assert analyze_if_stale(conn, chunks_written=1) == ["documents", "chunks", "lexical_terms"]
+
+
 def test_touched_but_identical_file_is_not_reparsed(conn, embedder, samples_copy):
     ingest_samples(conn, embedder, samples_copy)
     os.utime(samples_copy / "handbook/leave-policy.md", (1_700_000_000, 1_700_000_000))
