@@ -34,7 +34,7 @@ def analyze_if_stale(conn: psycopg.Connection, chunks_written: int, tables: tupl
     for table in (*PUBLISHED_TABLES, *tables):
         try:
             with conn.transaction():
-                conn.execute(f"SET LOCAL lock_timeout = '{LOCK_WAIT}'")
+                conn.execute("SELECT set_config('lock_timeout', %s, true)", (LOCK_WAIT,))  # SET LOCAL
                 conn.execute(sql.SQL("ANALYZE {}").format(sql.Identifier(table)))
         except psycopg.errors.LockNotAvailable:
             continue
