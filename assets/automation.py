@@ -9,7 +9,8 @@
   declared source, `kb_scheduled_refresh` runs the crons of sources declared or re-timed since the load (an
   automation condition has one cron per asset, not per partition), `kb_upstream_refresh` refreshes a source when
   the asset it names as its upstream materializes (whose key is data, not code), and `kb_source_change_sensor`
-  (off by default: it walks every source folder each minute) when its files change.
+  (off by default: it walks every source folder each minute) when its files change; `kb_cli_runs` records the runs
+  kb made outside Dagster (`kb ingest`) in the instance.
 """
 
 import json
@@ -66,6 +67,20 @@ def _sync_partitions(context: dg.SensorEvaluationContext, kb: KnowledgeBase, ns:
     requests = ([ns.sources.build_add_request(added)] if added else []) + (
         [ns.sources.build_delete_request(deleted)] if deleted else [])
     return dg.SensorResult(dynamic_partitions_requests=requests)
+
+
+def _cli_runs(context: dg.SensorEvaluationContext, kb: KnowledgeBase, ns: Namespace) -> dg.SensorResult:
+    """Records each run kb made outside Dagster (`kb ingest`) as materializations of the assets it refreshed, with
+    the metadata a Dagster run attaches, at the first tick after it finished: the catalog and the partitions show
+    every run whichever entry point started it, and `kb ingest` never loads Dagster itself (importing it and
+    dagster-postgres was most of a no-op refresh's time). A source a run declared gets its partition here too."""
+    from assets.runs import report_cli_runs
+
+    with kb.connect() as conn:
+        events, cursor = report_cli_runs(conn, context.cursor, ns, kb.embedder)
+    missing = sorted({e.partition for e in events} - set(context.instance.get_dynamic_partitions(ns.sources.name)))
+    return dg.SensorResult(asset_events=events, cursor=cursor,
+                           dynamic_partitions_requests=[ns.sources.build_add_request(missing)] if missing else None)
 
 
 def _partitioned(context: dg.SensorEvaluationContext, kb: KnowledgeBase, ns: Namespace) -> list:
@@ -229,6 +244,11 @@ def build_sensors(ns: Namespace, stale_documents: dg.AssetsDefinition, clock: Ca
     def source_partitions(context: dg.SensorEvaluationContext, kb: KnowledgeBase):
         return _sync_partitions(context, kb, ns)
 
+    @dg.sensor(name=ns.name("cli_runs"), minimum_interval_seconds=30, default_status=dg.DefaultSensorStatus.RUNNING,
+               description=_cli_runs.__doc__)
+    def cli_runs(context: dg.SensorEvaluationContext, kb: KnowledgeBase):
+        return _cli_runs(context, kb, ns)
+
     @dg.sensor(name=ns.name("scheduled_refresh"), minimum_interval_seconds=60, description=_scheduled.__doc__,
                **refreshes)
     def scheduled_refresh(context: dg.SensorEvaluationContext, kb: KnowledgeBase):
@@ -248,13 +268,13 @@ def build_sensors(ns: Namespace, stale_documents: dg.AssetsDefinition, clock: Ca
     automation = dg.AutomationConditionSensorDefinition(ns.name("automation"),
                                                         target=dg.AssetSelection.assets(stale_documents),
                                                         default_status=dg.DefaultSensorStatus.RUNNING)
-    return [source_partitions, scheduled_refresh, source_change_sensor, upstream_refresh, automation]
+    return [source_partitions, scheduled_refresh, source_change_sensor, upstream_refresh, automation, cli_runs]
 
 
 JOBS = build_jobs(DEFAULT, ingest_flow, MAINTENANCE_ASSETS)
 ingest_job, reembed_job, reembed_on_dask_job = JOBS
 SENSORS = build_sensors(DEFAULT, MAINTENANCE_ASSETS[2])
-source_partitions, scheduled_refresh, source_change_sensor, upstream_refresh, kb_automation = SENSORS
+source_partitions, scheduled_refresh, source_change_sensor, upstream_refresh, kb_automation, cli_runs = SENSORS
 
 
 def scheduled_refresh_sensor(clock: Callable[[], datetime]) -> dg.SensorDefinition:

@@ -1,19 +1,24 @@
-"""kb's runs on its Dagster instance, from a command: `kb dagster ingest|reembed` execute a job's run here, and
-`kb ingest` records what it materialized, so that the UI shows every run whichever entry point started it.
+"""kb's runs on its Dagster instance, from a command: `kb dagster ingest|reembed` execute a job's run here, and the
+`kb_cli_runs` sensor records what each `kb ingest` materialized, so that the UI shows every run whichever entry
+point started it.
 
 Only Dagster's public API: a command's run is `dg.execute_job` of the job rebuilt from this code's definitions, on
 whatever instance is configured, executed in this process through the job's executor (assets/executors.py); a
-`kb ingest` is recorded as runless asset events. Neither names a code location: kb may be loaded under any name,
-or inside a user's own (assets/definitions.py). The run does not wait in the instance's run queue: the queue's
+`kb ingest` is recorded as runless asset events of the sensor's tick after it finished (the command itself never
+loads Dagster, which was most of a no-op refresh's time). Neither names a code location: kb may be loaded under any
+name, or inside a user's own (assets/definitions.py). The run does not wait in the instance's run queue: the queue's
 per-source limit is a courtesy, and the guarantee is the run's own lock on its sources (pipelines/ingest/run.py),
 which every entry point takes.
 """
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 
 import dagster as dg
+
+from assets.namespace import Namespace
 
 # Nothing of Dagster's console log: kb prints the outcome and the reason; the run's events still go to the instance.
 QUIET = {"loggers": {"console": {"config": {"log_level": "CRITICAL"}}}}
@@ -66,26 +71,52 @@ def _run_failure(data) -> str | None:
     return error.message.strip() if error else None
 
 
-def record_materializations(instance: dg.DagsterInstance, conn, summary, source_ids: list[str], embedder,
-                            run_id: int) -> int:
-    """Record a `kb ingest` run's stages as materializations of their assets, one per source, with the metadata a
-    Dagster run would attach, so that partitions and the asset catalog show the truth. Returns how many."""
+def run_materializations(conn, ns: Namespace, summary, source_ids: list[str], embedder,
+                         run_id: int) -> list[dg.AssetMaterialization]:
+    """A `kb ingest` run's stages as materializations of their assets in `ns`, one per source, with the metadata a
+    Dagster run would attach, so that partitions and the asset catalog show the truth."""
     from assets.metadata import rows_held, stage_metadata
-    from assets.namespace import DEFAULT
-    from assets.partitions import sync_source_partitions
     from pipelines.ingest.flow import stage as flow_stage
-    from pipelines.sources.declarations import load_sources
 
-    sync_source_partitions(instance, [s.source_id for s in load_sources(conn)])
-    recorded = 0
+    events = []
     for report in summary.stages:
         stage = flow_stage(report.stage)
         metadata = {**stage_metadata(conn, stage, report, source_ids, embedder),
                     "kb run": dg.MetadataValue.int(run_id)}
         for source_id, rows in rows_held(conn, stage, source_ids).items():  # each partition's own row count
-            instance.report_runless_asset_event(dg.AssetMaterialization(
-                asset_key=DEFAULT.key(stage.asset), partition=source_id,
+            events.append(dg.AssetMaterialization(
+                asset_key=ns.key(stage.asset), partition=source_id,
                 metadata={**metadata, "dagster/row_count": dg.MetadataValue.int(rows)},
                 tags={"kb/started_by": "kb-ingest"}))
-            recorded += 1
-    return recorded
+    return events
+
+
+# The runs kb started outside Dagster (`kb ingest`, a script calling pipelines.ingest.run.ingest) after the cursor's
+# last, and those below it that were still running at the last tick.
+CLI_RUNS = """
+    SELECT run_id, sources, stages, finished_at IS NOT NULL AS finished, counters ->> 'outcome' AS outcome
+    FROM ingest_runs
+    WHERE started_by = 'cli' AND (run_id > %(after)s OR run_id = ANY(%(running)s))
+    ORDER BY run_id LIMIT %(limit)s
+"""
+RUNS_PER_TICK = 20  # a tick's events: runs x stages x sources; a backlog is reported over the next ticks
+RUNNING_KEPT = 100  # a run killed mid-way never finishes: the cursor forgets the oldest beyond this many
+
+
+def report_cli_runs(conn, cursor: str | None, ns: Namespace, embedder) -> tuple[list[dg.AssetMaterialization], str]:
+    """The materializations of the runs that finished since `cursor`, and the next cursor. A run that failed
+    materialized nothing and is not reported; a run stopped by the golden-set gate is, as its stages ran and left
+    what they left (its publish rolled back, which its metadata shows)."""
+    from pipelines.ingest.run import GATE_STOPPED, stored_summary
+
+    state = json.loads(cursor) if cursor else {"after": 0, "running": []}
+    rows = conn.execute(CLI_RUNS, {"after": state["after"], "running": state["running"],
+                                   "limit": RUNS_PER_TICK}).fetchall()
+    events, running = [], []
+    for run_id, sources, stages, finished, outcome in rows:
+        if not finished:
+            running.append(run_id)
+        elif outcome in ("succeeded", GATE_STOPPED):
+            events += run_materializations(conn, ns, stored_summary(stages), sources, embedder, run_id)
+    after = max([state["after"], *(row[0] for row in rows)])
+    return events, json.dumps({"after": after, "running": running[-RUNNING_KEPT:]})

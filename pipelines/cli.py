@@ -308,10 +308,8 @@ def ingest(paths, source_name, include, exclude, groups, public, allow_deletions
         except WorkersUnavailable as unavailable:
             raise UserError(str(unavailable)) from None
         except GateFailed as failed:
-            _record_in_dagster(conn, settings, run, embedder)
             _emit({"error": str(failed), "gate": failed.gate}, as_json, f"not published: {failed}")
             sys.exit(EXIT_GATE_FAILED)
-        _record_in_dagster(conn, settings, run, embedder)
     data = summary.as_dict()
     _emit(data, as_json, "\n".join(_ingest_lines(data, settings.unsupported_files)))
     if data["errors"]:
@@ -359,19 +357,6 @@ def _ingest_lines(data: dict, unsupported: str) -> list[str]:
                         + (f" and {len(d['skipped']) - 10} more (--json lists them)" if len(d["skipped"]) > 10 else "")
                         + ("" if unsupported == "fail" else "; exclude them, or KB_UNSUPPORTED_FILES=fail to fail them"))
     return lines + [f"ERROR {e['source']}:{_shown(e['file'])}: {_shown(e['reason'])}" for e in d["errors"]]
-
-
-def _record_in_dagster(conn, settings, run, embedder) -> None:
-    """What the run materialized, recorded in the Dagster instance (the UI's partitions and catalog show it). The
-    knowledge base is up to date whatever happens here: a failure to record is a warning."""
-    try:
-        from assets.instance import open_instance
-        from assets.runs import record_materializations
-
-        with open_instance(settings) as instance:
-            record_materializations(instance, conn, run.summary(), run.source_ids, embedder, run.run_id)
-    except Exception as exc:  # noqa: BLE001 - the run is done; Dagster's view of it is secondary
-        click.echo(f"warning: could not record this run in Dagster: {exc}", err=True)
 
 
 @main.command()

@@ -14,8 +14,8 @@ from pathlib import Path
 import dagster as dg
 import pytest
 
-from assets.automation import (SENSORS, ingest_job, kb_automation, scheduled_refresh, scheduled_refresh_sensor,
-                               source_change_sensor, upstream_refresh)
+from assets.automation import (SENSORS, cli_runs, ingest_job, kb_automation, scheduled_refresh,
+                               scheduled_refresh_sensor, source_change_sensor, upstream_refresh)
 from assets.definitions import defs
 from assets.ingestion import ingest_flow
 from assets.namespace import DEFAULT
@@ -85,6 +85,35 @@ def test_sensor_requests_a_refresh_only_for_sources_that_changed(conn, instance,
     (samples_copy / "handbook" / "new-policy.md").write_text("# New policy\n\nEffective immediately.")
     context = dg.build_sensor_context(instance=instance, cursor=_cursor_after(first), resources=resources)
     assert [r.partition_key for r in source_change_sensor(context)] == ["samples"]
+
+
+def test_each_run_kb_made_outside_dagster_is_recorded_once_after_it_finishes(conn, instance, settings, embedder):
+    """`kb ingest` never loads Dagster: the kb_cli_runs sensor records each run that finished as materializations of
+    the assets it refreshed, once; a run still going is recorded at the first tick after it finishes, one that failed
+    never (it materialized nothing)."""
+    from pipelines.ingest.run import IngestRun
+
+    add_source(conn, declare("faq", SAMPLES_DIR / "faq.jsonl"), "tests")
+    resources = {"kb": KnowledgeBase()}
+
+    def tick(cursor):
+        result = cli_runs(dg.build_sensor_context(instance=instance, cursor=cursor, resources=resources))
+        return result.asset_events, result.cursor
+
+    with IngestRun.open(conn, settings, embedder, ["faq"]) as run:
+        events, cursor = tick(None)
+        run.run_all()
+    assert events == []
+    events, cursor = tick(cursor)
+    assert [(e.asset_key, e.partition) for e in events] == [(key, "faq") for key in STAGE_KEYS]
+    published = next(e for e in events if e.asset_key == DEFAULT.key("published_chunks"))
+    assert published.metadata["dagster/row_count"].value == conn.execute(
+        "SELECT count(*) FROM chunks WHERE valid_to IS NULL AND kind <> 'card'").fetchone()[0] > 0
+    assert published.metadata["kb run"].value == run.run_id
+    assert tick(cursor)[0] == [], "each run once"
+    with pytest.raises(RuntimeError), IngestRun.open(conn, settings, embedder, ["faq"]):
+        raise RuntimeError("the run failed before any stage")
+    assert tick(cursor)[0] == []
 
 
 def test_a_source_refreshes_when_its_upstream_asset_materializes(conn, instance, tmp_path):
@@ -304,6 +333,13 @@ def test_a_cli_run_is_visible_in_the_instance_with_the_assets_metadata(conn, ins
                          text=True, env=os.environ.copy(), timeout=600)
     assert out.returncode == 0, out.stderr
     assert "declared source notes" in out.stderr  # kb ingest PATH says what it declared
+    assert instance.get_materialized_partitions(STAGE_KEYS[0]) == set()  # `kb ingest` itself does not load Dagster
+    tick = cli_runs(dg.build_sensor_context(instance=instance, resources={"kb": KnowledgeBase()}))
+    for request in tick.dynamic_partitions_requests:  # what the daemon does with the tick: its partitions, its events
+        instance.add_dynamic_partitions(request.partitions_def_name, request.partition_keys)
+    for event in tick.asset_events:
+        instance.report_runless_asset_event(event)
+    assert instance.get_dynamic_partitions(SOURCES) == ["notes"]
     for key in STAGE_KEYS:
         assert instance.get_materialized_partitions(key) == {"notes"}, key
     event = instance.get_latest_materialization_event(DEFAULT.key("published_chunks")).asset_materialization

@@ -25,8 +25,12 @@ def run(*command: str, cwd: Path) -> subprocess.CompletedProcess:
 @pytest.mark.parametrize("config", ["", None], ids=["empty dagster.yaml", "no dagster.yaml"])
 def test_kb_works_on_a_plain_instance_in_dagster_home(settings, tmp_path, monkeypatch, config):
     """DAGSTER_HOME with an empty dagster.yaml, or none: Dagster's default instance, kept in DAGSTER_HOME. kb declares its
-    sources' partitions there, Dagster's own CLI materializes one, `kb ingest` is recorded there as runless events,
-    `kb dagster ingest` runs there; kb never rewrites the deployment's dagster.yaml."""
+    sources' partitions there, Dagster's own CLI materializes one, `kb ingest` is recorded there as runless events
+    (by the `kb_cli_runs` sensor's next tick: here, one tick evaluated as the daemon would), `kb dagster ingest` runs
+    there; kb never rewrites the deployment's dagster.yaml."""
+    from assets.automation import cli_runs
+    from assets.resources import KnowledgeBase
+
     home = tmp_path / "dagster_home"
     home.mkdir()
     if config is not None:
@@ -45,6 +49,10 @@ def test_kb_works_on_a_plain_instance_in_dagster_home(settings, tmp_path, monkey
     written = (home / "dagster.yaml").read_text() if (home / "dagster.yaml").exists() else None
     assert written == config  # the deployment's own, as it was
     with dg.DagsterInstance.get() as instance:
+        assert instance.get_materialized_partitions(dg.AssetKey(["kb", "published_chunks"])) == {"faq"}
+        tick = cli_runs(dg.build_sensor_context(instance=instance, resources={"kb": KnowledgeBase()}))
+        for event in tick.asset_events:  # what the daemon does with a tick's events
+            instance.report_runless_asset_event(event)
         assert sorted(instance.get_dynamic_partitions("kb_sources")) == ["faq", "samples"]
         assert sorted(instance.get_materialized_partitions(dg.AssetKey(["kb", "published_chunks"]))) == ["faq", "samples"]
         assert [r.tags.get("dagster/partition") for r in instance.get_runs()] == ["faq", "faq"]

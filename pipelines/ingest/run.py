@@ -189,11 +189,9 @@ class IngestRun:
                           " WHERE run_id = %s", (key, Jsonb(report.as_dict()), self.run_id))
 
     def summary(self) -> IngestSummary:
-        """The run's stages as recorded; a stage run in shards (a backfill) counts as one, its shards summed."""
-        stored = self.conn.execute("SELECT stages FROM ingest_runs WHERE run_id = %s", (self.run_id,)).fetchone()[0]
-        return IngestSummary([StageReport.merged(name, [StageReport.from_dict(name, data) for key, data in
-                                                        sorted(stored.items()) if key.split(SHARD_MARK)[0] == name])
-                              for name in STAGE_NAMES if any(key.split(SHARD_MARK)[0] == name for key in stored)])
+        """The run's stages as recorded."""
+        return stored_summary(
+            self.conn.execute("SELECT stages FROM ingest_runs WHERE run_id = %s", (self.run_id,)).fetchone()[0])
 
     def models_in_use(self) -> list[Embedder]:
         """The configured model first, then the serving one when it is another (during a switch). A model being
@@ -223,9 +221,20 @@ class IngestRun:
             " WHERE run_id = %s", (self.run_id,))
 
 
+def stored_summary(stages: dict) -> IngestSummary:
+    """A run's summary from its `ingest_runs.stages`: a stage run in shards (a backfill) counts as one, its shards
+    summed."""
+    return IngestSummary([StageReport.merged(name, [StageReport.from_dict(name, data) for key, data in
+                                                    sorted(stages.items()) if key.split(SHARD_MARK)[0] == name])
+                          for name in STAGE_NAMES if any(key.split(SHARD_MARK)[0] == name for key in stages)])
+
+
+GATE_STOPPED = "stopped by the golden-set gate"  # a run's outcome when the gate rolled its publish back
+
+
 def _outcome(exc: BaseException) -> str:
     if isinstance(exc, GateFailed):
-        return "stopped by the golden-set gate"
+        return GATE_STOPPED
     return f"failed: {type(exc).__name__}: {exc}"[:500]
 
 
