@@ -99,6 +99,12 @@ CLI_RUNS = """
     WHERE started_by = 'cli' AND (run_id > %(after)s OR run_id = ANY(%(running)s))
     ORDER BY run_id LIMIT %(limit)s
 """
+# A first tick (no cursor) starts from the newest runs: older history is not replayed, nor recorded twice where an
+# older kb recorded its runs itself.
+NEWEST = """
+    SELECT coalesce(min(run_id) - 1, 0)
+    FROM (SELECT run_id FROM ingest_runs WHERE started_by = 'cli' ORDER BY run_id DESC LIMIT %(limit)s) newest
+"""
 RUNS_PER_TICK = 20  # a tick's events: runs x stages x sources; a backlog is reported over the next ticks
 RUNNING_KEPT = 100  # a run killed mid-way never finishes: the cursor forgets the oldest beyond this many
 
@@ -109,7 +115,8 @@ def report_cli_runs(conn, cursor: str | None, ns: Namespace, embedder) -> tuple[
     what they left (its publish rolled back, which its metadata shows)."""
     from pipelines.ingest.run import GATE_STOPPED, stored_summary
 
-    state = json.loads(cursor) if cursor else {"after": 0, "running": []}
+    state = json.loads(cursor) if cursor else {"after": conn.execute(NEWEST, {"limit": RUNS_PER_TICK}).fetchone()[0],
+                                               "running": []}
     rows = conn.execute(CLI_RUNS, {"after": state["after"], "running": state["running"],
                                    "limit": RUNS_PER_TICK}).fetchall()
     events, running = [], []

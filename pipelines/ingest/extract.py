@@ -20,6 +20,7 @@ import json
 import os
 import re
 import stat
+import time
 from collections import Counter
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
@@ -81,6 +82,8 @@ class Crawl:
     failed: set[str] = field(default_factory=set)  # failure locators of this crawl
     skip_unsupported: bool = True  # KB_UNSUPPORTED_FILES=skip: a file of a type kb does not read is listed, not failed
     unread: int = 0  # documents known unchanged without reading them (UNREAD_BY)
+    known_stamp: str | None = None  # a JSONL source's file as its last clean crawl left it (sql/020_jsonl_file_stamp.sql)
+    stamp: str | None = None  # the JSONL file as this crawl opened it
 
     def fail(self, locator: str, reason: str) -> None:
         self.failed.add(locator)
@@ -339,16 +342,40 @@ def _record_problem(record: dict, limits: Limits) -> str | None:
     return None
 
 
-def read_records(crawl: Crawl, progress: Progress = NO_PROGRESS) -> Iterator[Found]:
+def read_records(crawl: Crawl, known: Known, progress: Progress = NO_PROGRESS) -> Iterator[Found]:
     """Yield each JSONL record (`_id`, `title`, `text`, other fields as metadata). A bad record is a failure under
     its _id; a line whose _id cannot be read is a failure under "line N" and blinds the crawl (nothing deleted).
-    An _id on several lines is an error for that _id: every copy is rejected and its last good version stays."""
+    An _id on several lines is an error for that _id: every copy is rejected and its last good version stays.
+    A file opened with the stamp its last clean crawl left is not read: each known record is unchanged."""
     path = crawl.source.path
     location = str(path)
     with open_root(path.parent, crawl.known_root) as root_fd:  # the file is opened below its folder, like a file
         crawl.root_identity = identity(root_fd)                 # of a folder source, never through a link
         with open(open_below(root_fd, path.name, path.parent, crawl.source.allow_outside_links), "rb") as handle:
+            crawl.stamp = file_stamp(os.fstat(handle.fileno()), crawl.limits, len(known))  # before a line is read
+            if crawl.stamp is not None and crawl.stamp == crawl.known_stamp:
+                progress.total(len(known))
+                yield from (Found(locator, "record", row[0], None, None) for locator, row in known.items())
+                return
             yield from _records(crawl, handle, location, progress)
+
+
+RACY_NS = 2_000_000_000  # a file changed this recently may change again within its timestamps' granularity
+
+
+def _now_ns() -> int:
+    return time.time_ns()
+
+
+def file_stamp(st: os.stat_result, limits: Limits, live: int) -> str | None:
+    """What a JSONL file's records depend on without reading it: the file (any write changes its ctime), the limit
+    and parser they were read under, and how many live documents its crawl left (a change made outside a crawl).
+    None for a file changed in the last RACY_NS: a write in the same clock tick as the last could leave its
+    timestamps as they were (git's "racily clean" entries), so such a file is read again next time."""
+    if _now_ns() - st.st_ctime_ns < RACY_NS:
+        return None
+    return (f"{st.st_dev}:{st.st_ino}:{st.st_size}:{st.st_mtime_ns}:{st.st_ctime_ns}:{limits.max_file_mb:g}"
+            f":{PARSER_VERSION}:{live}")
 
 
 def _records(crawl: Crawl, handle, location: str, progress: Progress) -> Iterator[Found]:
@@ -669,7 +696,7 @@ def crawl_source(conn: psycopg.Connection, source: Source, report: StageReport, 
         "SELECT root_identities ->> %s FROM sources WHERE source_id = %s", (host(), source.source_id)).fetchone()[0]
     inside, roots = _neighbours(conn, source)
     crawl = Crawl(source, report, limits, known_root=known_root, nested=frozenset(inside), roots=roots,
-                  skip_unsupported=skip_unsupported,
+                  skip_unsupported=skip_unsupported, known_stamp=_known_stamp(conn, source),
                   narrower_places=[(other, place(other.path)) for other in load_sources(conn)
                                    if other.source_id != source.source_id and not narrower(source, other)]
                   if source.allow_outside_links else [])
@@ -681,7 +708,7 @@ def crawl_source(conn: psycopg.Connection, source: Source, report: StageReport, 
             found = walk_web(crawl, known, progress, conn)
         else:
             walk = {"folder": walk_folder, "objects": walk_objects, "table": walk_table}.get(source.kind)
-            found = walk(crawl, known, progress) if walk else read_records(crawl, progress)
+            found = walk(crawl, known, progress) if walk else read_records(crawl, known, progress)
         batch: list[Found] = []
         held = 0  # bytes of the pages the batch holds (a web page's body travels with it to the database)
         for item in found:
@@ -721,10 +748,39 @@ def crawl_source(conn: psycopg.Connection, source: Source, report: StageReport, 
                      (Jsonb(summary), host(), crawl.root_identity, source.source_id))
         conn.execute("UPDATE documents SET stale_since = NULL WHERE source_id = %s AND stale_since IS NOT NULL",
                      (source.source_id,))
+        if source.kind == "jsonl":
+            _record_stamp(conn, crawl)
+
+
+# The stamp a JSONL source's next crawl may trust: none while the source has a failure (the crawl must see it again,
+# or see it fixed) or a record whose elements are not of its content or of this parser.
+KNOWN_STAMP = """
+SELECT s.file_stamp FROM sources s
+WHERE s.source_id = %(id)s
+  AND NOT EXISTS (SELECT 1 FROM failures f WHERE f.source_id = s.source_id)
+  AND NOT EXISTS (SELECT 1 FROM documents d WHERE d.source_id = s.source_id AND d.deleted_at IS NULL
+                  AND (d.parsed_hash IS DISTINCT FROM d.content_hash OR d.parser_version IS DISTINCT FROM %(parser)s))
+"""
+
+
+def _known_stamp(conn: psycopg.Connection, source: Source) -> str | None:
+    if source.kind != "jsonl":
+        return None
+    row = conn.execute(KNOWN_STAMP, {"id": source.source_id, "parser": PARSER_VERSION}).fetchone()
+    return row[0] if row else None
+
+
+def _record_stamp(conn: psycopg.Connection, crawl: Crawl) -> None:
+    """The file's stamp with the live documents this crawl left, after a crawl that failed nowhere; else none."""
+    clean = crawl.stamp is not None and not crawl.failed and not crawl.blind
+    live = conn.execute("SELECT count(*) FROM documents WHERE source_id = %s AND deleted_at IS NULL",
+                        (crawl.source.source_id,)).fetchone()[0]
+    stamp = crawl.stamp.rsplit(":", 1)[0] + f":{live}" if clean else None
+    conn.execute("UPDATE sources SET file_stamp = %s WHERE source_id = %s", (stamp, crawl.source.source_id))
 
 
 # How each kind knows a document unchanged without reading it (Found.content_hash None).
-UNREAD_BY = {"folder": "size and mtime", "jsonl": "size and mtime", "objects": "ETag", "web": "304 Not Modified",
+UNREAD_BY = {"folder": "size and mtime", "jsonl": "the file unchanged", "objects": "ETag", "web": "304 Not Modified",
              "table": "row version"}
 
 

@@ -16,8 +16,6 @@ from pathlib import Path
 
 import psycopg
 
-from pipelines.retrieval.responses import run_search
-from pipelines.retrieval.search import Filters
 from pipelines.settings import Settings
 from pipelines.sources.declarations import DeclarationError, resolve_declared
 
@@ -74,6 +72,9 @@ def golden_gate(conn: psycopg.Connection, settings: Settings, source_ids: list[s
 
 def _hit_rate(conn: psycopg.Connection, settings: Settings, cases: list[dict], groups: list[str], k: int) -> dict:
     """One source's result, in the gate's own shape (so that whatever shows a gate shows it too)."""
+    from pipelines.retrieval.responses import run_search  # search's imports only for a run that publishes
+    from pipelines.retrieval.search import Filters
+
     misses = []
     for case in cases:
         hits = run_search(conn, settings, case["query"], k, filters=Filters(groups=groups))["chunks"]

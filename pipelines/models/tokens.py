@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from functools import lru_cache
+from functools import cached_property, lru_cache
 from pathlib import Path
 from typing import Protocol
 
@@ -27,13 +27,18 @@ class WordPieceCounter:
     """all-MiniLM-L6-v2 reads 256 word pieces including [CLS] and [SEP]; anything longer is silently cut."""
 
     def __init__(self, tokenizer_json: Path, max_sequence: int = 256):
-        from tokenizers import Tokenizer
-
-        self._tokenizer = Tokenizer.from_file(str(tokenizer_json))
-        self._tokenizer.no_padding()
-        self._tokenizer.no_truncation()
         self.max_tokens = max_sequence - 2
         self._args = (tokenizer_json, max_sequence)
+
+    @cached_property
+    def _tokenizer(self):
+        """Loaded at the first count (60 ms): a refresh with nothing to chunk never counts."""
+        from tokenizers import Tokenizer
+
+        tokenizer = Tokenizer.from_file(str(self._args[0]))
+        tokenizer.no_padding()
+        tokenizer.no_truncation()
+        return tokenizer
 
     def __reduce__(self):
         """Sent to a worker process (the chunk stage's) as what to build, not as a path of this machine: a dask
