@@ -5,7 +5,8 @@ same input (issue 21).
         --peer-python /work/lc-venv/bin/python
 
 1. `kb ingest CORPUS --source bench --json` in a fresh database, as a child process, timed as a whole (Python's
-   start, imports, the model's load and the Dagster record included). The embedded PostgreSQL server is started
+   start, imports and the model's load included; the run reaches Dagster through the `kb_cli_runs` sensor, not
+   this process). The embedded PostgreSQL server is started
    before the clock (a deployment has it running; `initdb` is a one-off), and the exported ONNX model is cached
    in --home, as after a user's first run (the export takes about 7 s once).
 2. Then, in this process, the libraries alone on the same input, read back from the database the run built:
