@@ -73,14 +73,15 @@ def _cli_runs(context: dg.SensorEvaluationContext, kb: KnowledgeBase, ns: Namesp
     """Records each run kb made outside Dagster (`kb ingest`) as materializations of the assets it refreshed, with
     the metadata a Dagster run attaches, at the first tick after it finished: the catalog and the partitions show
     every run whichever entry point started it, and `kb ingest` never loads Dagster itself (importing it and
-    dagster-postgres was most of a no-op refresh's time). A source a run declared gets its partition here too."""
+    dagster-postgres was most of a no-op refresh's time). A source a run declared gets its partition here, and its
+    run's events at the next tick."""
     from assets.runs import report_cli_runs
 
     with kb.connect() as conn:
-        events, cursor = report_cli_runs(conn, context.cursor, ns, kb.embedder)
-    missing = sorted({e.partition for e in events} - set(context.instance.get_dynamic_partitions(ns.sources.name)))
-    return dg.SensorResult(asset_events=events, cursor=cursor,
-                           dynamic_partitions_requests=[ns.sources.build_add_request(missing)] if missing else None)
+        runs = report_cli_runs(conn, context.cursor, ns, kb.embedder,
+                               set(context.instance.get_dynamic_partitions(ns.sources.name)))
+    return dg.SensorResult(asset_events=runs.events, cursor=runs.cursor, dynamic_partitions_requests=[
+        ns.sources.build_add_request(runs.partitions)] if runs.partitions else None)
 
 
 def _partitioned(context: dg.SensorEvaluationContext, kb: KnowledgeBase, ns: Namespace) -> list:

@@ -91,39 +91,72 @@ def run_materializations(conn, ns: Namespace, summary, source_ids: list[str], em
     return events
 
 
-# The runs kb started outside Dagster (`kb ingest`, a script calling pipelines.ingest.run.ingest) after the cursor's
-# last, and those below it that were still running at the last tick.
-CLI_RUNS = """
-    SELECT run_id, sources, stages, finished_at IS NOT NULL AS finished, counters ->> 'outcome' AS outcome
-    FROM ingest_runs
-    WHERE started_by = 'cli' AND (run_id > %(after)s OR run_id = ANY(%(running)s))
-    ORDER BY run_id LIMIT %(limit)s
+# The runs the cursor waits on, then the next runs after its last (any entry point's: the ids a tick sees, and skips,
+# are how it notices a run whose row was not yet committed). `superseded`: a later run took one of its sources' locks,
+# so a run still unfinished was killed and will never finish (the last column).
+RUNS = """
+    WITH picked AS (
+        SELECT run_id FROM ingest_runs WHERE run_id = ANY(%(waiting)s)
+        UNION
+        (SELECT run_id FROM ingest_runs WHERE run_id > %(after)s ORDER BY run_id LIMIT %(limit)s))
+    SELECT r.run_id, r.started_by = 'cli', r.sources, r.stages, r.finished_at IS NOT NULL,
+           r.counters ->> 'outcome',
+           EXISTS (SELECT 1 FROM ingest_runs later WHERE later.run_id > r.run_id AND later.sources && r.sources)
+    FROM ingest_runs r JOIN picked USING (run_id)
+    ORDER BY r.run_id
 """
-# A first tick (no cursor) starts from the newest runs: older history is not replayed, nor recorded twice where an
-# older kb recorded its runs itself.
+# A first tick (no cursor) starts from the newest runs: older history is not replayed (the newest may be recorded a
+# second time where an older kb recorded its runs itself).
 NEWEST = """
     SELECT coalesce(min(run_id) - 1, 0)
     FROM (SELECT run_id FROM ingest_runs WHERE started_by = 'cli' ORDER BY run_id DESC LIMIT %(limit)s) newest
 """
 RUNS_PER_TICK = 20  # a tick's events: runs x stages x sources; a backlog is reported over the next ticks
-RUNNING_KEPT = 100  # a run killed mid-way never finishes: the cursor forgets the oldest beyond this many
+GAP_TICKS = 10  # how many ticks an id the sequence skipped is looked for: a rolled-back insert never appears
 
 
-def report_cli_runs(conn, cursor: str | None, ns: Namespace, embedder) -> tuple[list[dg.AssetMaterialization], str]:
+@dataclass
+class CliRuns:
+    """What a tick of the kb_cli_runs sensor reports: the events, the partitions they wait for, the next cursor."""
+    events: list[dg.AssetMaterialization]
+    partitions: list[str]
+    cursor: str
+
+
+def report_cli_runs(conn, cursor: str | None, ns: Namespace, embedder, partitions: set[str]) -> CliRuns:
     """The materializations of the runs that finished since `cursor`, and the next cursor. A run that failed
     materialized nothing and is not reported; a run stopped by the golden-set gate is, as its stages ran and left
-    what they left (its publish rolled back, which its metadata shows)."""
+    what they left (its publish rolled back, which its metadata shows). The cursor waits on a run still going (until
+    it finishes, or a later run of its sources shows it was killed), on a run whose source has no partition in
+    `partitions` yet (the daemon records a tick's events before it adds its partitions), and for GAP_TICKS ticks on
+    an id the sequence skipped (a run whose row another session had not committed yet). Row counts and the model
+    are read at the tick."""
     from pipelines.ingest.run import GATE_STOPPED, stored_summary
+    from pipelines.sources.declarations import load_sources
 
-    state = json.loads(cursor) if cursor else {"after": conn.execute(NEWEST, {"limit": RUNS_PER_TICK}).fetchone()[0],
-                                               "running": []}
-    rows = conn.execute(CLI_RUNS, {"after": state["after"], "running": state["running"],
-                                   "limit": RUNS_PER_TICK}).fetchall()
-    events, running = [], []
-    for run_id, sources, stages, finished, outcome in rows:
-        if not finished:
-            running.append(run_id)
-        elif outcome in ("succeeded", GATE_STOPPED):
-            events += run_materializations(conn, ns, stored_summary(stages), sources, embedder, run_id)
+    state = json.loads(cursor) if cursor else {
+        "after": conn.execute(NEWEST, {"limit": RUNS_PER_TICK}).fetchone()[0], "waiting": {}}
+    waiting = {int(run_id): ticks for run_id, ticks in state["waiting"].items()}
+    rows = conn.execute(RUNS, {"waiting": list(waiting), "after": state["after"], "limit": RUNS_PER_TICK}).fetchall()
     after = max([state["after"], *(row[0] for row in rows)])
-    return events, json.dumps({"after": after, "running": running[-RUNNING_KEPT:]})
+    seen = {row[0] for row in rows}
+    gaps = {run_id: 0 for run_id in range(state["after"] + 1, after) if run_id not in seen}
+    gaps.update({run_id: ticks + 1 for run_id, ticks in waiting.items()
+                 if run_id not in seen and ticks + 1 < GAP_TICKS})
+    declared = {source.source_id for source in load_sources(conn)}
+    events, absent, still = [], set(), {}
+    for run_id, cli, sources, stages, finished, outcome, superseded in rows:
+        if not cli or (finished and outcome not in ("succeeded", GATE_STOPPED)):
+            continue
+        if not finished:
+            if not superseded:
+                still[run_id] = 0
+            continue
+        sources = [source for source in sources if source in declared]  # a removed source's events would re-add it
+        if missing := set(sources) - partitions:
+            absent |= missing
+            still[run_id] = 0
+            continue
+        events += run_materializations(conn, ns, stored_summary(stages), sources, embedder, run_id)
+    next_waiting = {str(run_id): ticks for run_id, ticks in sorted({**gaps, **still}.items())}
+    return CliRuns(events, sorted(absent), json.dumps({"after": after, "waiting": next_waiting}))

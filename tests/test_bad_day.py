@@ -164,9 +164,11 @@ def test_a_broken_line_or_blanked_record_keeps_its_last_version(settings, tmp_pa
 def test_an_unchanged_jsonl_file_is_not_read_again_but_every_write_to_it_is_seen(settings, tmp_path, monkeypatch):
     """A refresh of a JSONL file its last clean crawl left as it was reads no line (a no-op refresh of SciFact spent
     most of its time decoding 5,183 records twice). A rewrite that keeps the size and sets the mtime back is seen
-    (ctime), a file with a failing line is read again each time (its failure stays visible), and a file written in
-    the moment before its crawl is read again next time (its timestamps may not show a second write)."""
+    (ctime), a record found gone by a run that died before its publish is deleted by the next run, a file with a
+    failing line is read again each time (its failure stays visible), and a file written in the moment before its
+    crawl is read again next time (its timestamps may not show a second write)."""
     from pipelines.ingest import extract
+    from pipelines.sources.declarations import get_source
 
     records = [{"_id": f"r{i}", "title": f"Record {i}", "text": f"Text of record {i} about zebras."} for i in range(5)]
     path = tmp_path / "records.jsonl"
@@ -189,6 +191,13 @@ def test_an_unchanged_jsonl_file_is_not_read_again_but_every_write_to_it_is_seen
     forged = kb_json("ingest", "--source", "records")
     assert forged["sources"]["records"]["read"] == 5 and forged["documents_changed"] == 5
     assert live_texts(settings, "r0") == ["Text of record 0 about okapis."]
+
+    write_jsonl(path, [dict(r, text=r["text"].replace("zebras", "okapis")) for r in records[:4]])  # r4 removed
+    with connect(settings) as conn:  # the crawl alone: the run dies before its publish deletes r4
+        extract.extract(conn, [get_source(conn, "records")], settings.limits)
+    assert live_texts(settings, "r4")
+    gone = kb_json("ingest", "--source", "records")
+    assert gone["documents_deleted"] == 1 and live_texts(settings, "r4") == []
 
     write_jsonl(path, [json.dumps(records[0])[:-8]] + records[1:])  # r0's line truncated
     for _ in range(2):

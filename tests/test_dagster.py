@@ -90,15 +90,23 @@ def test_sensor_requests_a_refresh_only_for_sources_that_changed(conn, instance,
 def test_each_run_kb_made_outside_dagster_is_recorded_once_after_it_finishes(conn, instance, settings, embedder):
     """`kb ingest` never loads Dagster: the kb_cli_runs sensor records each run that finished as materializations of
     the assets it refreshed, once; a run still going is recorded at the first tick after it finishes, one that failed
-    never (it materialized nothing)."""
-    from pipelines.ingest.run import IngestRun
+    never (it materialized nothing). Killed runs, which never finish, do not hold the cursor back, and a run whose
+    row another session commits after a later run's is still recorded."""
+    import psycopg
+
+    from pipelines.ingest.run import IngestRun, ingest
 
     add_source(conn, declare("faq", SAMPLES_DIR / "faq.jsonl"), "tests")
+    instance.add_dynamic_partitions(SOURCES, ["faq"])
     resources = {"kb": KnowledgeBase()}
 
     def tick(cursor):
         result = cli_runs(dg.build_sensor_context(instance=instance, cursor=cursor, resources=resources))
         return result.asset_events, result.cursor
+
+    def recorded(cursor):
+        events, cursor = tick(cursor)
+        return sorted({e.metadata["kb run"].value for e in events}), cursor
 
     with IngestRun.open(conn, settings, embedder, ["faq"]) as run:
         events, cursor = tick(None)
@@ -110,10 +118,33 @@ def test_each_run_kb_made_outside_dagster_is_recorded_once_after_it_finishes(con
     assert published.metadata["dagster/row_count"].value == conn.execute(
         "SELECT count(*) FROM chunks WHERE valid_to IS NULL AND kind <> 'card'").fetchone()[0] > 0
     assert published.metadata["kb run"].value == run.run_id
-    assert tick(cursor)[0] == [], "each run once"
+    assert recorded(cursor)[0] == [], "each run once"
     with pytest.raises(RuntimeError), IngestRun.open(conn, settings, embedder, ["faq"]):
         raise RuntimeError("the run failed before any stage")
-    assert tick(cursor)[0] == []
+    assert recorded(cursor)[0] == []
+
+    # 25 runs killed mid-way (their rows never finish), then a run that does.
+    conn.execute("INSERT INTO ingest_runs (sources) SELECT ARRAY['faq'] FROM generate_series(1, 25)")
+    done, cursor = recorded(cursor)
+    assert done == []
+    ingest(conn, embedder, settings, ["faq"])
+    finished = conn.execute("SELECT max(run_id) FROM ingest_runs").fetchone()[0]
+    for _ in range(3):
+        done, cursor = recorded(cursor)
+        if done:
+            break
+    assert done == [finished] and json.loads(cursor)["waiting"] == {}, "the killed runs are superseded, not awaited"
+
+    # A run whose row is committed after a later run's: the tick between sees the later one, then the earlier.
+    with psycopg.connect(settings.database_url) as other:  # a transaction open until the block ends
+        hidden = other.execute("INSERT INTO ingest_runs (sources, stages, finished_at, counters) SELECT sources,"
+                               " stages, now(), counters FROM ingest_runs WHERE run_id = %s RETURNING run_id",
+                               (finished,)).fetchone()[0]
+        ingest(conn, embedder, settings, ["faq"])
+        later = conn.execute("SELECT max(run_id) FROM ingest_runs").fetchone()[0]
+        done, cursor = recorded(cursor)
+        assert later > hidden and done == [later]
+    assert recorded(cursor)[0] == [hidden]
 
 
 def test_a_source_refreshes_when_its_upstream_asset_materializes(conn, instance, tmp_path):
@@ -334,11 +365,14 @@ def test_a_cli_run_is_visible_in_the_instance_with_the_assets_metadata(conn, ins
     assert out.returncode == 0, out.stderr
     assert "declared source notes" in out.stderr  # kb ingest PATH says what it declared
     assert instance.get_materialized_partitions(STAGE_KEYS[0]) == set()  # `kb ingest` itself does not load Dagster
-    tick = cli_runs(dg.build_sensor_context(instance=instance, resources={"kb": KnowledgeBase()}))
-    for request in tick.dynamic_partitions_requests:  # what the daemon does with the tick: its partitions, its events
-        instance.add_dynamic_partitions(request.partitions_def_name, request.partition_keys)
-    for event in tick.asset_events:
-        instance.report_runless_asset_event(event)
+    cursor = None
+    for _ in range(2):  # the first tick asks for the new source's partition, the next records the run
+        tick = cli_runs(dg.build_sensor_context(instance=instance, cursor=cursor, resources={"kb": KnowledgeBase()}))
+        for event in tick.asset_events:  # what the daemon does with a tick, in its order: the events, the partitions
+            instance.report_runless_asset_event(event)
+        for request in tick.dynamic_partitions_requests:
+            instance.add_dynamic_partitions(request.partitions_def_name, request.partition_keys)
+        cursor = tick.cursor
     assert instance.get_dynamic_partitions(SOURCES) == ["notes"]
     for key in STAGE_KEYS:
         assert instance.get_materialized_partitions(key) == {"notes"}, key

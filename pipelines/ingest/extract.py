@@ -753,13 +753,16 @@ def crawl_source(conn: psycopg.Connection, source: Source, report: StageReport, 
 
 
 # The stamp a JSONL source's next crawl may trust: none while the source has a failure (the crawl must see it again,
-# or see it fixed) or a record whose elements are not of its content or of this parser.
+# or see it fixed), a record whose elements are not of its content or of this parser, or a record its last crawl
+# found gone that no publish has deleted yet (the gate rolled it back, or the run died first): listing it as unchanged
+# would bring it back.
 KNOWN_STAMP = """
 SELECT s.file_stamp FROM sources s
 WHERE s.source_id = %(id)s
   AND NOT EXISTS (SELECT 1 FROM failures f WHERE f.source_id = s.source_id)
   AND NOT EXISTS (SELECT 1 FROM documents d WHERE d.source_id = s.source_id AND d.deleted_at IS NULL
-                  AND (d.parsed_hash IS DISTINCT FROM d.content_hash OR d.parser_version IS DISTINCT FROM %(parser)s))
+                  AND (d.parsed_hash IS DISTINCT FROM d.content_hash OR d.parser_version IS DISTINCT FROM %(parser)s
+                       OR d.vanished_at IS NOT NULL))
 """
 
 
