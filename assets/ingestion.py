@@ -139,12 +139,13 @@ def _stages(context: dg.AssetExecutionContext, conn, kb: KnowledgeBase, config: 
             report = run.run_stage(stage)
             for failure in report.failures:
                 context.log.warning(str(failure))
+            held = rows_held(conn, stage, source_ids)
             if len(source_ids) > 1:  # one source: the materialization's own row count is the partition's
-                for source_id, rows in rows_held(conn, stage, source_ids).items():
+                for source_id, rows in held.items():
                     context.add_asset_metadata({"dagster/row_count": dg.MetadataValue.int(rows)},
                                                asset_key=ns.key(stage.asset), partition_key=source_id)
             yield dg.MaterializeResult(asset_key=ns.key(stage.asset),
-                                       metadata=stage_metadata(conn, stage, report, source_ids, kb.embedder))
+                                       metadata=stage_metadata(conn, stage, report, source_ids, kb.embedder, held))
             if stage.gated:
                 yield from _checked(context, conn, kb, ns, report.notes.get("gate"))
 

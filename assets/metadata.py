@@ -24,14 +24,14 @@ def report_metadata(report: StageReport) -> dict:
 
 
 def stage_metadata(conn: psycopg.Connection, stage: Stage, report: StageReport, source_ids: list[str],
-                   embedder) -> dict:
+                   embedder, held: dict[str, int]) -> dict:
     """A stage's materialization metadata: counters, time, failures, the rows its asset holds for these sources
-    (dagster/row_count: their total, which a partition's own count from rows_held replaces), the model for the embed
-    stage, and for the gated stage the gate and the statistics."""
+    (`held`, from rows_held, which the caller also needs per partition; dagster/row_count: their total, which a
+    partition's own count replaces), the model for the embed stage, and for the gated stage the gate and the
+    statistics."""
     from pipelines.storage.status import ingest_statistics
 
-    held = sum(rows_held(conn, stage, source_ids).values())
-    metadata = {**report_metadata(report), "dagster/row_count": dg.MetadataValue.int(held),
+    metadata = {**report_metadata(report), "dagster/row_count": dg.MetadataValue.int(sum(held.values())),
                 "sources": dg.MetadataValue.text(", ".join(source_ids))}
     if report.notes.get("sources"):  # the extract stage: what each source's crawl listed, read, knew unchanged
         from pipelines.storage.status import crawl_line

@@ -81,9 +81,10 @@ def run_materializations(conn, ns: Namespace, summary, source_ids: list[str], em
     events = []
     for report in summary.stages:
         stage = flow_stage(report.stage)
-        metadata = {**stage_metadata(conn, stage, report, source_ids, embedder),
+        held = rows_held(conn, stage, source_ids)
+        metadata = {**stage_metadata(conn, stage, report, source_ids, embedder, held),
                     "kb run": dg.MetadataValue.int(run_id)}
-        for source_id, rows in rows_held(conn, stage, source_ids).items():  # each partition's own row count
+        for source_id, rows in held.items():  # each partition's own row count
             events.append(dg.AssetMaterialization(
                 asset_key=ns.key(stage.asset), partition=source_id,
                 metadata={**metadata, "dagster/row_count": dg.MetadataValue.int(rows)},
