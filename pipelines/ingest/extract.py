@@ -82,8 +82,8 @@ class Crawl:
     failed: set[str] = field(default_factory=set)  # failure locators of this crawl
     skip_unsupported: bool = True  # KB_UNSUPPORTED_FILES=skip: a file of a type kb does not read is listed, not failed
     unread: int = 0  # documents known unchanged without reading them (UNREAD_BY)
-    known_stamp: str | None = None  # a JSONL source's file as its last clean crawl left it (sql/020_jsonl_file_stamp.sql)
-    stamp: str | None = None  # the JSONL file as this crawl opened it
+    known_stamp: str | None = None  # a JSONL source's stamp from its last clean crawl (sql/020_jsonl_file_stamp.sql)
+    stamp: str | None = None  # the JSONL file as this crawl opened it (file_stamp)
 
     def fail(self, locator: str, reason: str) -> None:
         self.failed.add(locator)
@@ -352,8 +352,8 @@ def read_records(crawl: Crawl, known: Known, progress: Progress = NO_PROGRESS) -
     with open_root(path.parent, crawl.known_root) as root_fd:  # the file is opened below its folder, like a file
         crawl.root_identity = identity(root_fd)                 # of a folder source, never through a link
         with open(open_below(root_fd, path.name, path.parent, crawl.source.allow_outside_links), "rb") as handle:
-            crawl.stamp = file_stamp(os.fstat(handle.fileno()), crawl.limits, len(known))  # before a line is read
-            if crawl.stamp is not None and crawl.stamp == crawl.known_stamp:
+            crawl.stamp = file_stamp(os.fstat(handle.fileno()), crawl.limits)  # before a line is read
+            if crawl.stamp is not None and f"{crawl.stamp}:{len(known)}" == crawl.known_stamp:
                 progress.total(len(known))
                 yield from (Found(locator, "record", row[0], None, None) for locator, row in known.items())
                 return
@@ -367,15 +367,15 @@ def _now_ns() -> int:
     return time.time_ns()
 
 
-def file_stamp(st: os.stat_result, limits: Limits, live: int) -> str | None:
+def file_stamp(st: os.stat_result, limits: Limits) -> str | None:
     """What a JSONL file's records depend on without reading it: the file (any write changes its ctime), the limit
-    and parser they were read under, and how many live documents its crawl left (a change made outside a crawl).
-    None for a file changed in the last RACY_NS: a write in the same clock tick as the last could leave its
+    and parser they were read under. The stamp recorded adds how many live documents the crawl left, which the next
+    crawl compares with its own (a change made outside a crawl). None for a file changed in the last RACY_NS: a write in the same clock tick as the last could leave its
     timestamps as they were (git's "racily clean" entries), so such a file is read again next time."""
     if _now_ns() - st.st_ctime_ns < RACY_NS:
         return None
     return (f"{st.st_dev}:{st.st_ino}:{st.st_size}:{st.st_mtime_ns}:{st.st_ctime_ns}:{limits.max_file_mb:g}"
-            f":{PARSER_VERSION}:{live}")
+            f":{PARSER_VERSION}")
 
 
 def _records(crawl: Crawl, handle, location: str, progress: Progress) -> Iterator[Found]:
@@ -775,10 +775,11 @@ def _known_stamp(conn: psycopg.Connection, source: Source) -> str | None:
 
 def _record_stamp(conn: psycopg.Connection, crawl: Crawl) -> None:
     """The file's stamp with the live documents this crawl left, after a crawl that failed nowhere; else none."""
-    clean = crawl.stamp is not None and not crawl.failed and not crawl.blind
-    live = conn.execute("SELECT count(*) FROM documents WHERE source_id = %s AND deleted_at IS NULL",
-                        (crawl.source.source_id,)).fetchone()[0]
-    stamp = crawl.stamp.rsplit(":", 1)[0] + f":{live}" if clean else None
+    stamp = None
+    if crawl.stamp is not None and not crawl.failed and not crawl.blind:
+        live = conn.execute("SELECT count(*) FROM documents WHERE source_id = %s AND deleted_at IS NULL",
+                            (crawl.source.source_id,)).fetchone()[0]
+        stamp = f"{crawl.stamp}:{live}"
     conn.execute("UPDATE sources SET file_stamp = %s WHERE source_id = %s", (stamp, crawl.source.source_id))
 
 
