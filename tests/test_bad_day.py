@@ -207,6 +207,32 @@ def test_an_unchanged_jsonl_file_is_not_read_again_but_every_write_to_it_is_seen
     assert live_texts(settings, "r0") == ["Text of record 0 about okapis."]
 
 
+def test_a_jsonl_file_swapped_for_a_link_or_a_folder_fails_its_source_alone(settings, tmp_path):
+    """A JSONL file replaced by a link to a file outside its folder, or by a folder, is that source's failure, named
+    with its path: nothing is read through the link, nothing is deleted, and the run's other sources refresh (the
+    run used to stop with `Error: OutsideSource` and exit 1, naming no file)."""
+    path, other = tmp_path / "records.jsonl", tmp_path / "other.jsonl"
+    write_jsonl(path, [{"_id": "r1", "text": "Okapis live in the Ituri forest."}])
+    write_jsonl(other, [{"_id": "o1", "text": "Zebras have stripes."}])
+    outside = tmp_path / "elsewhere"
+    outside.mkdir()
+    write_jsonl(outside / "secret.jsonl", [{"_id": "s1", "text": "The secret merger is with Acme."}])
+    kb("ingest", str(path), "--source", "records", "--public")
+    kb("ingest", str(other), "--source", "other", "--public")
+    path.unlink()
+    path.symlink_to(outside / "secret.jsonl")
+    write_jsonl(other, [{"_id": "o1", "text": "Zebras have stripes."}, {"_id": "o2", "text": "Giraffes are tall."}])
+    data = kb_json("ingest", expect=3)
+    assert list(errors(data)) == [str(path)] and "symbolic link" in errors(data)[str(path)]
+    assert data["documents_deleted"] == 0 and data["documents_new"] == 1  # o2: the other source refreshed
+    assert live_texts(settings, "r1") == ["Okapis live in the Ituri forest."] and live_texts(settings, "s1") == []
+    path.unlink()
+    path.mkdir()
+    folder = kb_json("ingest", "--source", "records", expect=3)
+    assert list(errors(folder)) == [str(path)] and "not a regular file" in errors(folder)[str(path)]
+    assert live_texts(settings, "r1") == ["Okapis live in the Ituri forest."]
+
+
 def test_a_record_nested_hundreds_of_levels_deep_fails_alone(settings, tmp_path):
     """600 levels used to stop the whole run (RecursionError, exit 1); 5,000 failed inside the decoder."""
     path = tmp_path / "records.jsonl"

@@ -38,7 +38,8 @@ from pipelines.ingest.parse import PARSER_VERSION
 from pipelines.ingest.report import NO_PROGRESS, Progress, StageReport
 from pipelines.settings import Limits
 from pipelines.sources.declarations import TREES, Source, add_coverage, load_sources, narrower
-from pipelines.sources.files import OutsideSource, RootChanged, host, identity, open_below, open_root, walk_below
+from pipelines.sources.files import (NotARegularFile, OutsideSource, RootChanged, host, identity, open_below, open_root,
+                                    walk_below)
 from pipelines.sources.objects import Reader, address, list_objects
 from pipelines.sources.overlaps import Place, below, mounts_below, place
 from pipelines.sources.tables import Rows
@@ -812,7 +813,8 @@ def extract(conn: psycopg.Connection, sources: list[Source], limits: Limits = Li
         except RootChanged as exc:  # nothing changed, nothing deleted, until the operator confirms the new root
             _blind(conn, report, source, f"cannot crawl source: {exc.strerror}. If the folder really moved there, run"
                                          f" `kb ingest --source {source.source_id} --accept-new-root`")
-        except OSError as exc:  # the source itself is out of reach: nothing changed, nothing deleted
+        # The source out of reach, or a JSONL file swapped for a link, a folder or a pipe: nothing changed or deleted.
+        except (OSError, OutsideSource, NotARegularFile) as exc:
             _blind(conn, report, source, f"cannot crawl source: {exc}")
     return report.finish()
 
