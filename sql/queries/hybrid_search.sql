@@ -15,6 +15,11 @@
 -- * %(within)s set (a selective filter matched few chunks): both arms score exactly those chunks;
 -- * %(posting_budget)s set: pruned BM25 (see `candidates`) and the HNSW index, live or as of a time;
 -- * neither: exact BM25 over every posting of the query's terms and the HNSW index.
+--
+-- A chosen chunk's postings are read by its chunk index (as many rows as it has distinct terms): `p.term_key + 0`
+-- keeps the planner, which expects a term's posting list to be short (most terms are rare), from scanning the
+-- query term's whole list for that one chunk instead, a cost that grows with the corpus (4,000 rows a common term
+-- on SciFact, read for each of 200 candidates: most of a search's time).
 WITH visible AS (
     SELECT unnest(%(source_keys)s::int[]) AS source_key
 ), query_terms AS (
@@ -124,7 +129,7 @@ WITH visible AS (
         SELECT sum(w.idf * (p.tf * (%(bm25_k1)s + 1))
                    / (p.tf + %(bm25_k1)s * (1 - %(bm25_b)s + %(bm25_b)s * p.length / corpus.avg_length)) ORDER BY w.term)
         FROM weights w JOIN term_sources ts USING (term)
-        JOIN lexical_postings_any p ON p.chunk_id = s.chunk_id AND p.term_key = ts.term_key CROSS JOIN corpus
+        JOIN lexical_postings_any p ON p.chunk_id = s.chunk_id AND p.term_key + 0 = ts.term_key CROSS JOIN corpus
         WHERE NOT w.essential), 0) AS score
     FROM candidates s
     UNION ALL
@@ -133,7 +138,7 @@ WITH visible AS (
     FROM unnest(%(within)s::bigint[]) AS x(chunk_id)
     JOIN weights w ON %(lexical_n)s > 0
     JOIN term_sources ts USING (term)
-    JOIN lexical_postings_any p ON p.chunk_id = x.chunk_id AND p.term_key = ts.term_key
+    JOIN lexical_postings_any p ON p.chunk_id = x.chunk_id AND p.term_key + 0 = ts.term_key
     CROSS JOIN corpus
     GROUP BY x.chunk_id
 ), lexical AS MATERIALIZED (
@@ -159,11 +164,11 @@ SELECT f.chunk_id, d.source_id, d.locator, d.title, c.section_path, c.text, c.en
        coalesce((SELECT sum(w.idf * (p.tf * (%(bm25_k1)s + 1))
                            / (p.tf + %(bm25_k1)s * (1 - %(bm25_b)s + %(bm25_b)s * p.length / corpus.avg_length)) ORDER BY w.term)
                  FROM weights w JOIN term_sources ts USING (term)
-                 JOIN lexical_postings_any p ON p.chunk_id = f.chunk_id AND p.term_key = ts.term_key
+                 JOIN lexical_postings_any p ON p.chunk_id = f.chunk_id AND p.term_key + 0 = ts.term_key
                  CROSS JOIN corpus), 0) AS lexical_score,
        f.dense_rrf, f.lexical_rrf,
        ARRAY(SELECT ts.term FROM term_sources ts JOIN lexical_postings_any p ON p.chunk_id = f.chunk_id
-             AND p.term_key = ts.term_key ORDER BY ts.term) AS matched_terms,
+             AND p.term_key + 0 = ts.term_key ORDER BY ts.term) AS matched_terms,
        ARRAY[]::text[] AS exact, false AS tie_broken, c.kind, c.question, c.source_chunk_id, c.page_number
 FROM fused f
 JOIN chunks c ON c.chunk_id = f.chunk_id
