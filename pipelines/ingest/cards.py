@@ -175,6 +175,8 @@ CARD_COLUMNS = ("document_id", "ordinal", "kind", "text", "embed_prefix", "text_
 def card_rows(chunk: SourceChunk, cards: list[dict], generator: str, counter: TokenCounter) -> list[tuple]:
     """A card's embedded text is the document title and section, then the question and its answer; the answer is
     cut (between tokens) when the whole would not fit the model."""
+    if not cards:  # most chunks make none: their title is not tokenized for nothing
+        return []
     prefix = embed_prefix(context_title(counter, chunk.title), chunk.section_path)
     rows = []
     for n, card in enumerate(cards):

@@ -99,7 +99,8 @@ def enrich_pending(conn: psycopg.Connection, counter: TokenCounter, source_ids: 
     progress.total(conn.execute(f"SELECT count(*) FROM ({TO_ENRICH}) t",
                                 {**params, "limit": None, "after_doc": 0, "after_ordinal": 0}).fetchone()[0])
     while rows := conn.execute(TO_ENRICH, {**params, "after_doc": after[0], "after_ordinal": after[1]}).fetchall():
-        texts = [embed_text(context_title(counter, title), path, text) for _, _, title, path, text in rows]
+        titles = {title: context_title(counter, title) for title in {row[2] for row in rows}}  # once a document
+        texts = [embed_text(titles[title], path, text) for _, _, title, path, text in rows]
         enriched = [(doc_id, ordinal, full, hash_text(full), Jsonb(extract_entities(full)), tokens)
                     for (doc_id, ordinal, *_), full, tokens in zip(rows, texts, counter.count(texts))]
         with conn.transaction():
