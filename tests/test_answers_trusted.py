@@ -15,7 +15,7 @@ from fake_openai import FakeOpenAI, scripted_chat
 from fastapi.testclient import TestClient
 
 from pipelines.answers.answer import answer_question
-from pipelines.answers.evidence import short_answer
+from pipelines.answers.short_answer import short_answer
 from pipelines.cli import main
 from pipelines.ingest.run import ingest
 from pipelines.retrieval.responses import NEAR_TIE_MARK, shown_scores
@@ -115,7 +115,12 @@ def test_markdown_faq_lines_become_cards_and_a_question_is_never_the_answer(comp
 def test_the_answer_reports_the_short_value_the_question_asks_for(company, settings):
     result = answer_question(company, settings, "When does the certificate behind a VPN token expire?")
     assert not result["abstained"] and "12 months" in result["answer"] and result["short_answer"] == "12 months"
-    assert short_answer("Who approves on-call overtime?", "Your team lead approves on-call overtime.") is None
+    assert short_answer("Who approves on-call overtime?",
+                        "On-call overtime is approved by Maria Lopez, the team lead.") == "Maria Lopez"
+    assert short_answer("What museum holds the collection?",  # a "what" question: the phrase naming the thing asked
+                        "The collection is held by the Peabody Museum of Archaeology in Cambridge.") == \
+        "the Peabody Museum of Archaeology"
+    assert short_answer("Why do on-call weeks rotate?", "On-call weeks rotate so that nobody is on call twice.") is None
     assert short_answer("When was the order delivered?", "The order was delivered on 12 May.") == "12 May"
     assert short_answer("How many days of family care leave?",
                         "Employees get 10 days of family care leave.") == "10 days"

@@ -33,6 +33,7 @@ from pipelines.answers import evidence as ev
 from pipelines.answers.asked import Asked, asked
 from pipelines.answers.calibration import DEFAULT, Calibration, current
 from pipelines.answers.citations import validate_citations
+from pipelines.answers.short_answer import short_answer
 from pipelines.ingest.sentences import split_sentences
 from pipelines.models.chat import ChatNotConfigured, complete, openai_client
 from pipelines.retrieval.search import Filters, cited, embed_query
@@ -188,7 +189,7 @@ def answer_question(conn: psycopg.Connection, settings: Settings, question: str,
     else:
         sentences, unsupported = _extract(pool, ranked), []
         if sentences and not message.yes_no:
-            result["short_answer"] = ev.short_answer(message.question, sentences[0][0])
+            result["short_answer"] = short_answer(message.question, sentences[0][0])
     timings["generate_s"] = round(time.perf_counter() - started, 3)
     started = time.perf_counter()
     kept, removed = _verified(conn, embedder, sentences, contexts, filters)

@@ -133,52 +133,6 @@ def answer_sentences(text: str) -> tuple[str, ...]:
     return tuple(out)
 
 
-# What a question asks for, and how a value of that kind looks in a sentence.
-_NUMBER_WORDS = ("one|two|three|four|five|six|seven|eight|nine|ten|eleven|twelve|thirteen|fourteen|fifteen|"
-                 "sixteen|seventeen|eighteen|nineteen|twenty|thirty|forty|fifty|sixty|seventy|eighty|ninety|"
-                 "hundred|thousand|million|billion|half|dozen")
-_MONTHS = "January|February|March|April|May|June|July|August|September|October|November|December"
-_KINDS = {
-    "number": (re.compile(r"^\s*(?:in\s+)?how\s+(?:many|much|long|far|old|often|large|big|tall|high|wide|deep|fast)\b"
-                          r"|\bwhat\s+(?:percentage|percent|number|amount|proportion|price|cost|rate)\b", re.I),
-               re.compile(rf"(?:[$€£]\s?)?\b(?:\d[\d,.]*|(?:{_NUMBER_WORDS})(?:[- ](?:{_NUMBER_WORDS}))*)\b"
-                          r"(?:\s?%|\s+percent)?(?:\s+(?!of\b|and\b|the\b|in\b|to\b|a\b)[a-zA-Z][a-z]+){0,1}", re.I)),
-    "date": (re.compile(r"^\s*(?:in\s+)?(?:when|what\s+(?:year|years|century|decade|date|day|month|time|period)|"
-                        r"which\s+(?:year|century|decade|date|day|month))\b", re.I),
-             re.compile(rf"\b(?:(?:\d+|{_NUMBER_WORDS})\s+(?:seconds?|minutes?|hours?|days?|weeks?|months?|years?)|"
-                        rf"\d{{1,2}}\s+(?:{_MONTHS})\s+\d{{3,4}}|"
-                        rf"\d{{1,2}}\s+(?:{_MONTHS})|(?:{_MONTHS})(?:\s+\d{{1,2}},?)?\s+\d{{3,4}}|"
-                        rf"\d{{1,2}}(?:st|nd|rd|th)\s+centur(?:y|ies)|\d{{3,4}}s?(?:\s*(?:BC|AD|BCE|CE))?|"
-                        rf"(?:{_MONTHS})|\d{{1,2}}(?:st|nd|rd|th)?\s+(?:century|centuries))\b")),
-    "name": (re.compile(r"^\s*(?:who|whom|whose|where|which\s+(?:person|man|woman|city|country|company|team|group|"
-                        r"king|president|river|state|region))\b", re.I),
-             re.compile(r"\b[A-Z][\w'’-]+(?:\s+(?:of|de|von|van|the|and|da|del|la)?\s*[A-Z][\w'’-]+)*")),
-}
-
-
-def answer_kind(question: str) -> str | None:
-    return next((kind for kind, (asks, _) in _KINDS.items() if asks.search(question)), None)
-
-
-def short_answer(question: str, sentence: str) -> str | None:
-    """The value of the kind the question asks for (a number, a date, a name) that the sentence holds and the
-    question does not, nearest the question's words in the sentence; None when there is none."""
-    kind = answer_kind(question)
-    if kind is None:
-        return None
-    asked = {w.lower() for w in _TOKEN.findall(question)}
-    anchors = [m.start() for m in _TOKEN.finditer(sentence) if m.group().lower() in asked and len(m.group()) > 3]
-    found = []
-    for match in _KINDS[kind][1].finditer(sentence):
-        value = match.group().strip(" ,.;")
-        words = {w.lower() for w in _TOKEN.findall(value)}
-        if not value or words <= asked or (kind == "name" and match.start() == 0 and len(words) == 1):
-            continue
-        distance = min((abs(match.start() - a) for a in anchors), default=0)
-        found.append((distance, match.start(), value))
-    return min(found)[2] if found else None
-
-
 @dataclass
 class Candidate:
     """A sentence that may answer, with the evidence for it."""
