@@ -8,7 +8,7 @@ parser, named entities; about 10 ms a sentence, and 1-2 s to load once per proce
 noun after it say which entity labels answer it, and the candidates are the sentence's entities and noun phrases that
 say something the question does not, nearest the question's own words in the sentence. bench/README.md has the
 numbers (SQuAD 2.0 articles never used to calibrate anything, split into the dev articles looked at and held-out
-ones measured once).
+ones only measured).
 """
 
 from __future__ import annotations
