@@ -118,10 +118,11 @@ def _cut(question: str, sentence: str, labels: tuple[str, ...] | None, phrases: 
         if "CARDINAL" in labels:  # a number the entity recogniser missed ("used four valves")
             spans += [(len(labels), doc[t.i:t.i + 1]) for t in doc if t.like_num]
     if phrases:
-        for chunk in doc.noun_chunks:
+        chunks = {chunk.start: chunk for chunk in doc.noun_chunks}  # noun_chunks parses anew on each iteration
+        for chunk in chunks.values():
             if chunk.root.is_stop or chunk.root.pos_ not in ("NOUN", "PROPN"):
                 continue
-            span = _with_of(doc, chunk)
+            span = _with_of(doc, chunk, chunks)
             spans.append((len(labels or ()) + (0 if _words(span.text) & nouns else 1), span))
     found = []
     for rank, span in spans:
@@ -133,11 +134,10 @@ def _cut(question: str, sentence: str, labels: tuple[str, ...] | None, phrases: 
     return min(found)[3] if found else None
 
 
-def _with_of(doc, chunk):
-    """A noun phrase with the "of" phrase that completes it ("the bark" -> "the bark of mulberry trees")."""
+def _with_of(doc, chunk, chunks: dict):
+    """A noun phrase with the "of" phrase that completes it ("the bark" -> "the bark of mulberry trees"); `chunks`:
+    the sentence's noun phrases by their first token."""
     end = chunk.end
-    if end + 1 < len(doc) and doc[end].lower_ == "of":
-        after = next((c for c in doc.noun_chunks if c.start == end + 1), None)
-        if after is not None:
-            end = after.end
+    if end + 1 < len(doc) and doc[end].lower_ == "of" and (after := chunks.get(end + 1)) is not None:
+        end = after.end
     return doc[chunk.start:end]
