@@ -15,7 +15,7 @@ from fake_openai import FakeOpenAI, scripted_chat
 from fastapi.testclient import TestClient
 
 from pipelines.answers.answer import answer_question
-from pipelines.answers.short_answer import short_answer
+from pipelines.answers.short_answer import asked_value, short_answer
 from pipelines.cli import main
 from pipelines.ingest.run import ingest
 from pipelines.retrieval.responses import NEAR_TIE_MARK, shown_scores
@@ -124,6 +124,19 @@ def test_the_answer_reports_the_short_value_the_question_asks_for(company, setti
     assert short_answer("When was the order delivered?", "The order was delivered on 12 May.") == "12 May"
     assert short_answer("How many days of family care leave?",
                         "Employees get 10 days of family care leave.") == "10 days"
+
+
+def test_a_question_asking_for_a_value_is_answered_by_a_sentence_that_holds_one_or_refused(company, settings):
+    """"When" asks for a date: the ticket that holds the date answers it, and a passage on the subject that holds no
+    date does not (it was given as the answer)."""
+    result = answer_question(company, settings, "When was order 559001 delivered?")
+    assert not result["abstained"] and result["short_answer"] == "12 May", result["answer"]
+    refused = answer_question(company, settings, "When did engineers on the rota get a company phone and a laptop?")
+    assert refused["abstained"] and refused["reason"].startswith("the passages found do not say when"), \
+        refused["answer"]
+    assert asked_value("In what year did the rota start?") == "what year"
+    assert asked_value("How do I appeal when the phone is late?") is None  # it asks how; its "when" is not asked
+    assert asked_value("Can I swap when I am ill?") is None and asked_value("What is the fee?") is None
 
 
 @pytest.mark.parametrize("citing, why", [

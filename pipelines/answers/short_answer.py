@@ -46,6 +46,8 @@ _HOW = {"many": COUNTS, "much": ("MONEY", "QUANTITY", "PERCENT", "CARDINAL"), "l
         "often": SPANS}
 _HOW_WORD = re.compile(r"\bhow\s+(many|much|long|far|old|often|large|big|tall|high|wide|deep|fast|heavy)\b", re.I)
 _WH = re.compile(r"\b(who|whom|whose|where|when|what|which)\b", re.I)
+_YEARS = re.compile(r"1\d{3}|20\d{2}|1\d{3}\s*[-–]\s*(?:1\d{3}|20\d{2}|\d{2})|20\d{2}\s*[-–]\s*(?:20\d{2}|\d{2})")
+_FIRST_WH = re.compile(r"\b(who|whom|whose|where|when|what|which|how|why)\b", re.I)
 
 
 @lru_cache(maxsize=1)
@@ -75,6 +77,22 @@ def asked_labels(question: str) -> tuple[tuple[str, ...] | None, bool]:
             labels = _NOUNS[noun]
             return labels, labels[0] not in ("DATE", "PERCENT", "MONEY", "QUANTITY")
     return None, True
+
+
+def asked_value(question: str) -> str | None:
+    """What value the question asks for when only an entity can give it ("when", "how many", "how much", "how long",
+    "what year", "what percentage"...), by the wh-word that opens it (after at most two words: "In what year"); None
+    for any other question ("How do I appeal when it is late?" asks how: its "when" is not what it asks)."""
+    first = _FIRST_WH.search(question)
+    if first is None or len(question[:first.start()].split()) > 2:
+        return None
+    rest, word = question[first.start():], first.group(1).lower()
+    if word == "why" or (word == "how" and not _HOW_WORD.match(rest)):
+        return None
+    labels, phrases = asked_labels(rest)
+    if labels is None or phrases:
+        return None
+    return " ".join(rest.split()[:2]).lower().rstrip("?,.") if word in ("how", "what", "which") else word
 
 
 def _asked_nouns(question: str, at: int) -> list[str]:
@@ -117,6 +135,8 @@ def _cut(question: str, sentence: str, labels: tuple[str, ...] | None, phrases: 
         spans = [(labels.index(e.label_), e) for e in doc.ents if e.label_ in labels]
         if "CARDINAL" in labels:  # a number the entity recogniser missed ("used four valves")
             spans += [(len(labels), doc[t.i:t.i + 1]) for t in doc if t.like_num]
+        elif "DATE" in labels:  # a year it missed, or a span of years ("(1763–1775)", "Wei Yilin (1277–1347)")
+            spans += [(len(labels), doc[t.i:t.i + 1]) for t in doc if _YEARS.fullmatch(t.text)]
     if phrases:
         chunks = {chunk.start: chunk for chunk in doc.noun_chunks}  # noun_chunks parses anew on each iteration
         for chunk in chunks.values():
