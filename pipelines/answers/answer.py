@@ -33,7 +33,7 @@ from pipelines.answers import evidence as ev
 from pipelines.answers.asked import Asked, asked
 from pipelines.answers.calibration import DEFAULT, Calibration, current
 from pipelines.answers.citations import validate_citations
-from pipelines.answers.short_answer import asked_value, short_answer
+from pipelines.answers.short_answer import asks_for_value, short_answer
 from pipelines.ingest.sentences import split_sentences
 from pipelines.models.chat import ChatNotConfigured, complete, openai_client
 from pipelines.retrieval.search import Filters, cited, embed_query
@@ -188,8 +188,8 @@ def answer_question(conn: psycopg.Connection, settings: Settings, question: str,
             result["yes_no"] = verdict.group(1).lower()
         sentences, unsupported = _supported(conn, _cited_sentences(reply, contexts), contexts, lexemes)
     else:
-        value_asked = not message.yes_no and asked_value(message.question) is not None
-        sentences, unsupported = _extract(pool, ranked, message.question if value_asked else None), []
+        asks = not message.yes_no and asks_for_value(message.question)
+        sentences, unsupported = _extract(pool, ranked, message.question if asks else None), []
         if not message.yes_no:  # from the first sentence that holds one
             result["short_answer"] = next(filter(None, (short_answer(message.question, s) for s, _ in sentences)), None)
     timings["generate_s"] = round(time.perf_counter() - started, 3)
@@ -339,12 +339,13 @@ def ranked_sentences(embedder, question_vector: np.ndarray, contexts: list[Conte
 
 
 def _extract(pool: list[Context], ranked: list[ev.Candidate],
-             value_asked: str | None = None) -> list[tuple[str, list[int]]]:
+             value_question: str | None = None) -> list[tuple[str, list[int]]]:
     """A Q&A card that matches the question answers with its answer. Otherwise the best-scored sentence of the
-    pool, and the next best of the same context when it scores nearly as well. `value_asked`: the question, when it
-    asks for a value only an entity gives (short_answer.asked_value: "when", "how many"...); then the answer is the
-    best sentence near the top (within EXTRACT_MARGIN of the best) that, with its companion, holds such a value,
-    and the best sentence as always when none does. (Refusing then was measured and taken back: bench/README.md.)"""
+    pool, and the next best of the same context when it scores nearly as well. `value_question`: the question, when
+    it asks for a value only an entity gives (short_answer.asks_for_value: "when", "how many"...); then the answer
+    is the best sentence near the top (within EXTRACT_MARGIN of the best) that, with its companion, holds such a
+    value, and the best sentence as always when none does. (Refusing then was measured and taken back:
+    bench/README.md.)"""
     card = pool[0] if pool and pool[0].card_answer and (pool[0].similarity or 0) >= ev.CARD_MATCH else None
     if card is not None:
         return [(card.card_answer, [card.n])]
@@ -359,10 +360,10 @@ def _extract(pool: list[Context], ranked: list[ev.Candidate],
                          if c.context == best.context and c.score >= best.score - EXTRACT_MARGIN]
 
     chosen = with_next(ranked[0])
-    if value_asked is not None:
+    if value_question is not None:
         near = (with_next(c) for c in ranked[:VALUE_CANDIDATES] if c.score >= ranked[0].score - EXTRACT_MARGIN)
         chosen = next((sentences for sentences in near
-                       if any(short_answer(value_asked, c.text) is not None for c in sentences)), chosen)
+                       if any(short_answer(value_question, c.text) is not None for c in sentences)), chosen)
     return [(c.text, [c.context]) for c in chosen]
 
 

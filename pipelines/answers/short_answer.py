@@ -79,20 +79,18 @@ def asked_labels(question: str) -> tuple[tuple[str, ...] | None, bool]:
     return None, True
 
 
-def asked_value(question: str) -> str | None:
-    """What value the question asks for when only an entity can give it ("when", "how many", "how much", "how long",
-    "what year", "what percentage"...), by the wh-word that opens it (after at most two words: "In what year"); None
-    for any other question ("How do I appeal when it is late?" asks how: its "when" is not what it asks)."""
+def asks_for_value(question: str) -> bool:
+    """Whether the question asks for a value only an entity gives ("when", "how many", "how much", "how long",
+    "what year", "what percentage"...), by the wh-word that opens it (after at most two words: "In what year"); not
+    "How do I appeal when it is late?", which asks how: its "when" is not what it asks."""
     first = _FIRST_WH.search(question)
     if first is None or len(question[:first.start()].split()) > 2:
-        return None
+        return False
     rest, word = question[first.start():], first.group(1).lower()
     if word == "why" or (word == "how" and not _HOW_WORD.match(rest)):
-        return None
+        return False
     labels, phrases = asked_labels(rest)
-    if labels is None or phrases:
-        return None
-    return " ".join(rest.split()[:2]).lower().rstrip("?,.") if word in ("how", "what", "which") else word
+    return labels is not None and not phrases
 
 
 def _asked_nouns(question: str, at: int) -> list[str]:
