@@ -354,14 +354,15 @@ def _extract(pool: list[Context], ranked: list[ev.Candidate],
     if not ranked:
         return []
 
-    def with_next(best: ev.Candidate) -> list[ev.Candidate]:
-        at = ranked.index(best)
+    def with_next(at: int) -> list[ev.Candidate]:
+        best = ranked[at]
         return [best] + [c for c in ranked[at + 1:at + 2]
                          if c.context == best.context and c.score >= best.score - EXTRACT_MARGIN]
 
-    chosen = with_next(ranked[0])
+    chosen = with_next(0)
     if value_question is not None:
-        near = (with_next(c) for c in ranked[:VALUE_CANDIDATES] if c.score >= ranked[0].score - EXTRACT_MARGIN)
+        near = (with_next(at) for at, c in enumerate(ranked[:VALUE_CANDIDATES])
+                if c.score >= ranked[0].score - EXTRACT_MARGIN)
         chosen = next((sentences for sentences in near
                        if any(short_answer(value_question, c.text) is not None for c in sentences)), chosen)
     return [(c.text, [c.context]) for c in chosen]

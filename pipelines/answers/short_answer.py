@@ -103,6 +103,7 @@ def _words(text: str) -> set[str]:
     return {w.lower() for w in re.findall(r"[A-Za-z0-9]+", text)}
 
 
+@lru_cache(maxsize=256)  # an answer to a value question reads its chosen sentences twice: to choose, then to show
 def short_answer(question: str, sentence: str) -> str | None:
     """The entity or noun phrase of the sentence that answers the question (asked_labels), saying something the
     question does not, best first: an entity of the labels asked for, then a phrase naming the thing asked for
