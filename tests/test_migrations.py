@@ -150,7 +150,7 @@ def test_compact_postings_migrate_a_database_built_before_them_in_place(settings
         # Publish kept a chunk whose embedded text split differently: "encoder" is no longer in its own text, but
         # its posting still counted it for document frequency.
         raw.execute("UPDATE chunks SET text = 'cable HR-2024-047 replaced' WHERE text_hash = 'cable'")
-        chunks = "SELECT chunk_id, text, embed_text, lexical_length, valid_to FROM chunks ORDER BY 1"
+        chunks = "SELECT chunk_id, text, embed_text, kb_lexical_length(embed_text), valid_to FROM chunks ORDER BY 1"
         before = {"postings": raw.execute(POSTINGS).fetchall(), "chunks": raw.execute(chunks).fetchall(),
                   "terms": raw.execute(TERMS).fetchall(),
                   "stats": raw.execute("SELECT * FROM lexical_stats").fetchall()}

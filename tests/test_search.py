@@ -29,7 +29,7 @@ def test_bm25_scores_match_the_formula_over_live_statistics(kb, embedder):
     avg = total / n
     df = dict(kb.execute(f"SELECT term, sum(df)::float8 FROM lexical_terms {PUBLIC} GROUP BY term").fetchall())
     for hit in hits:
-        tsv, length = kb.execute("SELECT kb_lexemes(embed_text)::text, lexical_length FROM chunks WHERE chunk_id = %s",
+        tsv, length = kb.execute("SELECT kb_lexemes(embed_text)::text, kb_lexical_length(embed_text) FROM chunks WHERE chunk_id = %s",
                                  (hit.chunk_id,)).fetchone()
         tf = {}
         for item in tsv.split(" "):
@@ -46,7 +46,7 @@ def test_term_statistics_follow_every_publish(kb, embedder, samples_copy):
                   " WHERE c.valid_to IS NULL")
 
     def consistent():
-        live = dict(kb.execute(f"SELECT s.source_key, (count(*), sum(c.lexical_length)) {per_source} GROUP BY 1").fetchall())
+        live = dict(kb.execute(f"SELECT s.source_key, (count(*), sum(kb_lexical_length(c.embed_text))) {per_source} GROUP BY 1").fetchall())
         assert dict(kb.execute("SELECT source_key, (chunks, total_length) FROM lexical_stats").fetchall()) == live
         def per_term(lexemes):  # live chunks per (lexeme, source) among the given lexemes of each chunk
             return dict(kb.execute(f"SELECT (u.lexeme, s.source_key), count(*)"
@@ -69,6 +69,21 @@ def test_term_statistics_follow_every_publish(kb, embedder, samples_copy):
     policy.write_text(policy.read_text().replace("20 weeks", "26 weeks"))
     ingest(kb, embedder, load_settings())
     consistent()
+
+
+def test_a_published_chunk_has_its_lexemes_computed_once(kb):
+    """Postings, document frequency and the chunk's length all come from one reading of its prefix and one of its
+    text (issue 32: each was a reading of its own, a quarter of a first ingest's publish). Counted by the calls of
+    kb_identifiers, which every reading of a text makes once."""
+    with kb.transaction(force_rollback=True):
+        kb.execute("SET LOCAL track_functions = 'all'")
+        kb.execute("INSERT INTO chunks (document_id, ordinal, kind, text, embed_prefix, text_hash, section_path,"
+                   " token_count, chunker_version, enrich_version)"
+                   " SELECT document_id, ordinal + 1000, kind, text, embed_prefix, text_hash || 'x', section_path,"
+                   " token_count, chunker_version, enrich_version FROM chunks WHERE valid_to IS NULL AND kind <> 'card'"
+                   " ORDER BY chunk_id LIMIT 3")
+        calls = kb.execute("SELECT calls FROM pg_stat_xact_user_functions WHERE funcname = 'kb_identifiers'").fetchone()
+    assert calls == (2 * 3,)
 
 
 def _one_live_chunk(conn) -> None:

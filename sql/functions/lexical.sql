@@ -13,14 +13,60 @@
 -- first time a later transaction changes the term: one history row per term and transaction, written once, not one
 -- upsert per statement (a publish changes each term in many statements).
 
+-- A chunk's length as BM25 normalises it (every position of every lexeme of its embedded text): the sum of its
+-- postings' counts, live or closed. A chunk without a lexeme has none and length 0.
+CREATE OR REPLACE FUNCTION kb_chunk_length(p_chunk_id bigint) RETURNS bigint
+LANGUAGE sql STABLE AS $$
+    SELECT coalesce(sum(tf), 0) FROM lexical_postings_any WHERE chunk_id = p_chunk_id
+$$;
+
+-- Adds changes to the statistics: per term (document frequency, postings) and per source (chunks, total length),
+-- as parallel arrays. The callers below work out the changes, each the cheapest way it can.
+CREATE OR REPLACE FUNCTION kb_lexical_add(term_keys int[], term_df bigint[], term_postings bigint[],
+                                          source_keys int[], source_chunks bigint[], source_lengths bigint[])
+RETURNS void LANGUAGE sql AS $$
+    WITH delta AS (
+        SELECT * FROM unnest(term_keys, term_df, term_postings) AS d(term_key, df, postings)
+    ), terms AS (  -- a data-modifying CTE always runs to completion
+        UPDATE lexical_terms t SET df = t.df + coalesce(d.df, 0), postings = t.postings + d.postings,
+            df_before = CASE WHEN t.changed_at IS DISTINCT FROM now() THEN t.df ELSE t.df_before END,
+            postings_before = CASE WHEN t.changed_at IS DISTINCT FROM now() THEN t.postings ELSE t.postings_before END,
+            changed_at = now()
+        FROM delta d WHERE t.term_key = d.term_key AND (d.postings <> 0 OR d.df <> 0)
+        RETURNING WITH (OLD AS was) t.term_key, was.changed_at, was.df - was.df_before AS df,
+            was.postings - was.postings_before AS postings
+    ), flushed AS (  -- the change an earlier transaction left on the row goes to the history
+        INSERT INTO lexical_terms_history AS h (term_key, changed_at, df, postings)
+        SELECT term_key, changed_at, df, postings FROM terms WHERE changed_at <> now() AND (df <> 0 OR postings <> 0)
+        ON CONFLICT (term_key, changed_at) DO UPDATE SET df = h.df + excluded.df, postings = h.postings + excluded.postings
+    ), sources_delta AS (
+        SELECT * FROM unnest(source_keys, source_chunks, source_lengths) AS s(source_key, chunks, total_length)
+    ), sources_then AS (
+        INSERT INTO lexical_stats_history AS h (source_key, changed_at, chunks, total_length)
+        SELECT source_key, now(), chunks, total_length FROM sources_delta
+        ON CONFLICT (source_key, changed_at) DO UPDATE
+            SET chunks = h.chunks + excluded.chunks, total_length = h.total_length + excluded.total_length
+    )
+    INSERT INTO lexical_stats AS st (source_key, chunks, total_length)
+    SELECT source_key, chunks, total_length FROM sources_delta
+    ON CONFLICT (source_key) DO UPDATE
+        SET chunks = st.chunks + excluded.chunks, total_length = st.total_length + excluded.total_length;
+$$;
+
+-- Chunks entering or leaving the live set, whose postings are already written: their changes are read back from the
+-- postings, and document frequency from the lexemes of each chunk's own text.
 CREATE OR REPLACE FUNCTION kb_lexical_apply(entered bigint[], left_ bigint[]) RETURNS void
-LANGUAGE sql AS $$
+LANGUAGE plpgsql AS $$
+DECLARE
+    term_keys int[]; term_df bigint[]; term_postings bigint[];
+    source_keys int[]; source_chunks bigint[]; source_lengths bigint[];
+BEGIN
     WITH moved AS (
         SELECT unnest(entered) AS chunk_id, 1 AS sign UNION ALL SELECT unnest(left_), -1
     ), changed AS MATERIALIZED (
         -- A chunk's source from its document, or, when the document row is already gone (a delete cascading
         -- from it), from its postings' terms; term counts need no source.
-        SELECT m.chunk_id, m.sign, c.lexical_length, c.text,
+        SELECT m.chunk_id, m.sign, kb_chunk_length(m.chunk_id) AS lexical_length, c.text,
                coalesce(src.source_key, (SELECT k.source_key FROM lexical_postings_any p JOIN lexical_terms k USING (term_key)
                                          WHERE p.chunk_id = m.chunk_id LIMIT 1)) AS source_key
         FROM moved m
@@ -36,45 +82,41 @@ LANGUAGE sql AS $$
         JOIN lexical_terms t ON t.term_key = p.term_key
         LEFT JOIN body b ON b.chunk_id = ch.chunk_id AND b.lexeme = t.term
         GROUP BY p.term_key
-    ), terms AS (  -- a data-modifying CTE always runs to completion
-        UPDATE lexical_terms t SET df = t.df + coalesce(d.df, 0), postings = t.postings + d.postings,
-            df_before = CASE WHEN t.changed_at IS DISTINCT FROM now() THEN t.df ELSE t.df_before END,
-            postings_before = CASE WHEN t.changed_at IS DISTINCT FROM now() THEN t.postings ELSE t.postings_before END,
-            changed_at = now()
-        FROM delta d WHERE t.term_key = d.term_key AND (d.postings <> 0 OR d.df <> 0)
-        RETURNING WITH (OLD AS was) t.term_key, was.changed_at, was.df - was.df_before AS df,
-            was.postings - was.postings_before AS postings
-    ), flushed AS (  -- the change an earlier transaction left on the row goes to the history
-        INSERT INTO lexical_terms_history AS h (term_key, changed_at, df, postings)
-        SELECT term_key, changed_at, df, postings FROM terms WHERE changed_at <> now() AND (df <> 0 OR postings <> 0)
-        ON CONFLICT (term_key, changed_at) DO UPDATE SET df = h.df + excluded.df, postings = h.postings + excluded.postings
     ), sources_delta AS (
         SELECT source_key, sum(sign) AS chunks, sum(sign * lexical_length) AS total_length FROM changed
         WHERE source_key IS NOT NULL GROUP BY source_key
-    ), sources_then AS (
-        INSERT INTO lexical_stats_history AS h (source_key, changed_at, chunks, total_length)
-        SELECT source_key, now(), chunks, total_length FROM sources_delta
-        ON CONFLICT (source_key, changed_at) DO UPDATE
-            SET chunks = h.chunks + excluded.chunks, total_length = h.total_length + excluded.total_length
     )
-    INSERT INTO lexical_stats AS st (source_key, chunks, total_length)
-    SELECT source_key, chunks, total_length FROM sources_delta
-    ON CONFLICT (source_key) DO UPDATE
-        SET chunks = st.chunks + excluded.chunks, total_length = st.total_length + excluded.total_length;
-$$;
+    SELECT t.keys, t.df, t.postings, s.keys, s.chunks, s.lengths
+    INTO term_keys, term_df, term_postings, source_keys, source_chunks, source_lengths
+    FROM (SELECT array_agg(term_key) AS keys, array_agg(df) AS df, array_agg(postings) AS postings FROM delta) t,
+         (SELECT array_agg(source_key) AS keys, array_agg(chunks) AS chunks, array_agg(total_length) AS lengths
+          FROM sources_delta) s;
+    PERFORM kb_lexical_add(term_keys, term_df, term_postings, source_keys, source_chunks, source_lengths);
+END $$;
 
 CREATE OR REPLACE FUNCTION kb_lexical_on_insert() RETURNS trigger LANGUAGE plpgsql AS $$
+DECLARE
+    term_keys int[]; term_df bigint[]; term_postings bigint[];
+    source_keys int[]; source_chunks bigint[]; source_lengths bigint[];
 BEGIN
-    -- Each chunk's lexemes once (a plain LATERAL subquery would be inlined and recomputed per use). A (term, source)
-    -- pair new to lexical_terms gets its key here; one a concurrent writer added meanwhile is found by the no-op
-    -- update, which returns it.
-    WITH lexemes AS MATERIALIZED (
-        SELECT n.chunk_id, n.valid_to IS NULL AS live, s.source_key, least(n.lexical_length, 32767) AS length,
-               u.lexeme, coalesce(array_length(u.positions, 1), 1) AS tf
+    -- Each chunk's lexemes once (a plain LATERAL subquery would be inlined and recomputed per use): those of its
+    -- text weighted A, so that one tsvector gives each lexeme's count in the embedded text (prefix and text) and
+    -- whether the chunk's own text holds it, which document frequency counts. A (term, source) pair new to
+    -- lexical_terms gets its key here; one a concurrent writer added meanwhile is found by the no-op update, which
+    -- returns it. The new chunks' changes to the statistics are counted from these rows, not read back.
+    WITH vectors AS MATERIALIZED (
+        SELECT n.chunk_id, n.valid_to IS NULL AS live, s.source_key,
+               kb_lexemes(n.embed_prefix) || setweight(kb_lexemes(n.text), 'A') AS lexemes
         FROM new_rows n
         JOIN documents d USING (document_id)
         JOIN sources s USING (source_id)
-        CROSS JOIN LATERAL unnest(kb_lexemes(n.embed_prefix || n.text)) AS u
+    ), sized AS MATERIALIZED (  -- a chunk's length: every position of every lexeme (kb_lexical_length)
+        SELECT v.*, (SELECT coalesce(sum(coalesce(array_length(u.positions, 1), 1)), 0) FROM unnest(v.lexemes) AS u) AS length
+        FROM vectors v
+    ), lexemes AS MATERIALIZED (
+        SELECT z.chunk_id, z.live, z.source_key, least(z.length, 32767) AS length,
+               u.lexeme, coalesce(array_length(u.positions, 1), 1) AS tf, 'A' = ANY(u.weights) AS in_body
+        FROM sized z CROSS JOIN LATERAL unnest(z.lexemes) AS u
     ), pairs AS MATERIALIZED (
         SELECT DISTINCT lexeme AS term, source_key FROM lexemes
     ), known AS (
@@ -87,17 +129,26 @@ BEGIN
         ON CONFLICT (term, source_key) DO UPDATE SET df = t.df
         RETURNING t.term, t.source_key, t.term_key
     ), keyed AS MATERIALIZED (
-        SELECT l.chunk_id, l.live, k.term_key, l.tf, l.length
+        SELECT l.chunk_id, l.live, k.term_key, l.tf, l.length, l.in_body
         FROM lexemes l JOIN (SELECT * FROM known UNION ALL SELECT * FROM added) k
             ON k.term = l.lexeme AND k.source_key = l.source_key
     ), closed AS (
         INSERT INTO lexical_postings_closed (chunk_id, term_key, tf, length)
         SELECT chunk_id, term_key, tf, length FROM keyed WHERE NOT live ORDER BY chunk_id
+    ), live AS (
+        -- In chunk order: a chunk's postings share heap pages (one or two per probe) and its key in the chunk index.
+        INSERT INTO lexical_postings (chunk_id, term_key, tf, length)
+        SELECT chunk_id, term_key, tf, length FROM keyed WHERE live ORDER BY chunk_id
     )
-    -- In chunk order: a chunk's postings share heap pages (one or two per probe) and its key in the chunk index.
-    INSERT INTO lexical_postings (chunk_id, term_key, tf, length)
-    SELECT chunk_id, term_key, tf, length FROM keyed WHERE live ORDER BY chunk_id;
-    PERFORM kb_lexical_apply(ARRAY(SELECT chunk_id FROM new_rows WHERE valid_to IS NULL), '{}');
+    SELECT t.keys, t.df, t.postings, s.keys, s.chunks, s.lengths
+    INTO term_keys, term_df, term_postings, source_keys, source_chunks, source_lengths
+    FROM (SELECT array_agg(term_key) AS keys, array_agg(df) AS df, array_agg(postings) AS postings
+          FROM (SELECT term_key, count(*) FILTER (WHERE in_body) AS df, count(*) AS postings FROM keyed WHERE live
+                GROUP BY term_key) d) t,
+         (SELECT array_agg(source_key) AS keys, array_agg(chunks) AS chunks, array_agg(total_length) AS lengths
+          FROM (SELECT source_key, count(*) AS chunks, sum(length) AS total_length FROM sized WHERE live
+                GROUP BY source_key) c) s;
+    PERFORM kb_lexical_add(term_keys, term_df, term_postings, source_keys, source_chunks, source_lengths);
     RETURN NULL;
 END $$;
 
@@ -140,7 +191,7 @@ BEGIN
         RETURNING WITH (OLD AS was) t.term_key, was.changed_at, was.df - was.df_before AS df,
             was.postings - was.postings_before AS postings
     )
-    INSERT INTO lexical_terms_history AS h (term_key, changed_at, df, postings)  -- as kb_lexical_apply does
+    INSERT INTO lexical_terms_history AS h (term_key, changed_at, df, postings)  -- as kb_lexical_add does
     SELECT term_key, changed_at, df, postings FROM terms WHERE changed_at <> now() AND (df <> 0 OR postings <> 0)
     ON CONFLICT (term_key, changed_at) DO UPDATE SET df = h.df + excluded.df, postings = h.postings + excluded.postings;
     RETURN NULL;
@@ -164,7 +215,7 @@ BEGIN
 END $$;
 
 -- A term's document frequency and postings as of a time: its history up to then, and its latest change if it was
--- made by then (still on its row; see kb_lexical_apply).
+-- made by then (still on its row; see kb_lexical_add).
 CREATE OR REPLACE FUNCTION kb_term_then(t lexical_terms, p_as_of timestamptz, OUT df bigint, OUT postings bigint)
 LANGUAGE sql STABLE AS $$
     SELECT coalesce(sum(h.df), 0) + CASE WHEN t.changed_at <= p_as_of THEN t.df - t.df_before ELSE 0 END,

@@ -55,7 +55,7 @@ BEGIN
     -- `from` and joins `to`. (For live chunks, kb_lexical_apply's rows at now() above and below net out with the
     -- span's end at now().)
     WITH spans AS MATERIALIZED (
-        SELECT c.chunk_id, c.text, c.lexical_length, e.at, e.sign
+        SELECT c.chunk_id, c.text, kb_chunk_length(c.chunk_id) AS lexical_length, e.at, e.sign
         FROM chunks c CROSS JOIN LATERAL (VALUES (c.valid_from, 1), (coalesce(c.valid_to, now()), -1)) AS e(at, sign)
         WHERE c.chunk_id = ANY(moved)
     ), stats AS (

@@ -29,7 +29,7 @@ WITH visible AS (
     -- Chunks of readable sources under a part that a restricted source this caller may not read covers
     -- (pipelines/retrieval/readable.py; usually none: declaring such a source moves them to it). The statistics are
     -- kept per source, so these are taken out of them below: a caller's scores never count what it cannot read.
-    SELECT c.chunk_id, c.text, c.lexical_length
+    SELECT c.chunk_id, c.text, kb_chunk_length(c.chunk_id) AS lexical_length
     FROM unnest(%(hidden_sources)s::text[], %(hidden_prefixes)s::text[]) AS h(source_id, prefix)
     JOIN documents d ON d.source_id = h.source_id
          AND (d.locator = h.prefix OR (d.locator COLLATE "C" >= h.prefix || '/' AND d.locator COLLATE "C" < h.prefix || '0'))
