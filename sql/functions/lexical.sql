@@ -13,11 +13,12 @@
 -- first time a later transaction changes the term: one history row per term and transaction, written once, not one
 -- upsert per statement (a publish changes each term in many statements).
 
--- A chunk's length as BM25 normalises it (every position of every lexeme of its embedded text): the sum of its
--- postings' counts, live or closed. A chunk without a lexeme has none and length 0.
-CREATE OR REPLACE FUNCTION kb_chunk_length(p_chunk_id bigint) RETURNS bigint
+-- A chunk's length as BM25 normalises it (every position of every lexeme of its embedded text, at most 32,767), as
+-- each of its postings, live or closed, carries it: one index probe. A chunk without a lexeme has no posting and
+-- length 0.
+CREATE OR REPLACE FUNCTION kb_chunk_length(p_chunk_id bigint) RETURNS int
 LANGUAGE sql STABLE AS $$
-    SELECT coalesce(sum(tf), 0) FROM lexical_postings_any WHERE chunk_id = p_chunk_id
+    SELECT coalesce((SELECT length FROM lexical_postings_any WHERE chunk_id = p_chunk_id LIMIT 1), 0)
 $$;
 
 -- Adds changes to the statistics: per term (document frequency, postings) and per source (chunks, total length),
@@ -110,11 +111,12 @@ BEGIN
         FROM new_rows n
         JOIN documents d USING (document_id)
         JOIN sources s USING (source_id)
-    ), sized AS MATERIALIZED (  -- a chunk's length: every position of every lexeme (kb_lexical_length)
-        SELECT v.*, (SELECT coalesce(sum(coalesce(array_length(u.positions, 1), 1)), 0) FROM unnest(v.lexemes) AS u) AS length
+    ), sized AS MATERIALIZED (  -- a chunk's length: every position of every lexeme (kb_lexical_length), as postings hold it
+        SELECT v.*, least((SELECT coalesce(sum(coalesce(array_length(u.positions, 1), 1)), 0) FROM unnest(v.lexemes) AS u),
+                          32767) AS length
         FROM vectors v
     ), lexemes AS MATERIALIZED (
-        SELECT z.chunk_id, z.live, z.source_key, least(z.length, 32767) AS length,
+        SELECT z.chunk_id, z.live, z.source_key, z.length,
                u.lexeme, coalesce(array_length(u.positions, 1), 1) AS tf, 'A' = ANY(u.weights) AS in_body
         FROM sized z CROSS JOIN LATERAL unnest(z.lexemes) AS u
     ), pairs AS MATERIALIZED (
