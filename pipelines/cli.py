@@ -716,8 +716,8 @@ def _check_port_free(host: str, port: int, holder: str) -> None:
 @click.option("--json", "as_json", is_flag=True)
 def migrate_command(wait_s, as_json) -> None:
     """Install or upgrade kb's schema: run it after upgrading kb (until then serving answers 503 and other commands
-    say to run it). Says what is pending and about how long it will take before it starts, then applies each file
-    in its own transaction and prints its time. Nothing pending: says so."""
+    say to run it). Says what is pending and about how long it will take before it starts, then applies each migration
+    in its own transaction (the last one with the function files) and prints each file's time. Nothing pending: says so."""
     import psycopg
 
     from pipelines.storage.database import location, upgrade_schema
@@ -747,9 +747,11 @@ def migrate_command(wait_s, as_json) -> None:
     except psycopg.Error as exc:
         if isinstance(exc, psycopg.OperationalError) or len(applied) == len(plan):
             raise
-        failed = plan[len(applied)]["name"]
+        first = plan[len(applied)]["name"]  # the first file of the transaction that failed
+        failed = getattr(exc, "failed_file", first)
+        along = "" if failed == first else f" (it commits with {first} and the files between, not applied either)"
         raise click.ClickException(f"{failed} failed: {' '.join(str(exc).split())}. The files before it are applied"
-                                   " and kept, nothing of it is; fix the cause, then run `kb migrate` again") from exc
+                                   f" and kept, nothing of it is{along}; fix the cause, then run `kb migrate` again") from exc
     data = {"database": location(settings), "pending": plan, "applied": applied,
             "elapsed_s": round(sum(step["elapsed_s"] for step in applied), 3)}
     _emit(data, as_json, f"kb's schema in {location(settings)} is up to date: "

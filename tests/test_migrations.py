@@ -300,6 +300,23 @@ def test_kb_migrate_applies_each_file_in_its_own_transaction_and_names_the_one_t
     assert _applied(settings)[-1] == 13, "sql/013 committed on its own; nothing of sql/014 is"
 
 
+def test_the_last_migration_commits_with_the_function_files(settings, tmp_path):
+    """sql/021 drops a column the old trigger functions read: a function file that fails takes the migration with it,
+    so that no write ever meets the new table with the old functions. The error names the file that failed."""
+    _behind(settings, tmp_path, 20)
+    broken = tmp_path / "sql-broken"
+    shutil.copytree(SQL_DIR, broken)
+    (broken / "functions" / "sources.sql").write_text("SELECT kb_no_such_function();")
+    with psycopg.connect(settings.database_url, autocommit=True) as raw:
+        with pytest.raises(psycopg.errors.UndefinedFunction) as failed:
+            migrate(raw, broken)
+        assert failed.value.failed_file == "functions/sources.sql"
+        assert 21 not in _applied(settings)
+        assert raw.execute("SELECT count(*) FROM information_schema.columns WHERE table_name = 'chunks'"
+                           " AND column_name = 'lexical_length'").fetchone() == (1,), "sql/021 was rolled back"
+    assert kb("migrate").exit_code == 0 and _applied(settings)[-1] == 21
+
+
 def test_kb_migrate_waits_for_the_lock_then_names_who_holds_it(settings):
     from pipelines.storage.migrations import _LOCK_ID
 

@@ -21,6 +21,8 @@ def kb(conn, embedder, samples_copy):
 
 
 PUBLIC = "JOIN sources s USING (source_key) WHERE s.allowed_groups IS NULL"  # what an anonymous caller reads
+# A chunk c's length recounted from its lexemes: every position of every lexeme.
+CHUNK_LENGTH = "(SELECT sum(coalesce(array_length(u.positions, 1), 1)) FROM unnest(kb_chunk_lexemes(c.embed_prefix, c.text)) u)"
 
 
 def test_bm25_scores_match_the_formula_over_live_statistics(kb, embedder):
@@ -29,7 +31,8 @@ def test_bm25_scores_match_the_formula_over_live_statistics(kb, embedder):
     avg = total / n
     df = dict(kb.execute(f"SELECT term, sum(df)::float8 FROM lexical_terms {PUBLIC} GROUP BY term").fetchall())
     for hit in hits:
-        tsv, length = kb.execute("SELECT kb_lexemes(embed_text)::text, kb_lexical_length(embed_text) FROM chunks WHERE chunk_id = %s",
+        tsv, length = kb.execute("SELECT kb_chunk_lexemes(embed_prefix, text)::text, kb_chunk_length(chunk_id)"
+                                 " FROM chunks WHERE chunk_id = %s",
                                  (hit.chunk_id,)).fetchone()
         tf = {}
         for item in tsv.split(" "):
@@ -46,7 +49,7 @@ def test_term_statistics_follow_every_publish(kb, embedder, samples_copy):
                   " WHERE c.valid_to IS NULL")
 
     def consistent():
-        live = dict(kb.execute(f"SELECT s.source_key, (count(*), sum(kb_lexical_length(c.embed_text))) {per_source} GROUP BY 1").fetchall())
+        live = dict(kb.execute(f"SELECT s.source_key, (count(*), sum({CHUNK_LENGTH})) {per_source} GROUP BY 1").fetchall())
         assert dict(kb.execute("SELECT source_key, (chunks, total_length) FROM lexical_stats").fetchall()) == live
         def per_term(lexemes):  # live chunks per (lexeme, source) among the given lexemes of each chunk
             return dict(kb.execute(f"SELECT (u.lexeme, s.source_key), count(*)"
@@ -56,12 +59,12 @@ def test_term_statistics_follow_every_publish(kb, embedder, samples_copy):
         assert dict(kb.execute("SELECT (term, source_key), df FROM lexical_terms WHERE df > 0").fetchall()) == \
             per_term("kb_lexemes(c.text)")
         assert dict(kb.execute("SELECT (term, source_key), postings FROM lexical_terms WHERE postings > 0").fetchall()) == \
-            per_term("kb_lexemes(c.embed_text)")
+            per_term("kb_chunk_lexemes(c.embed_prefix, c.text)")
         # Live chunks' postings are in lexical_postings, closed chunks' in lexical_postings_closed, one per lexeme.
         assert dict(kb.execute("SELECT (t.term, t.source_key), count(*) FROM lexical_postings p"
-                               " JOIN lexical_terms t USING (term_key) GROUP BY 1").fetchall()) == per_term("kb_lexemes(c.embed_text)")
+                               " JOIN lexical_terms t USING (term_key) GROUP BY 1").fetchall()) == per_term("kb_chunk_lexemes(c.embed_prefix, c.text)")
         assert kb.execute("SELECT count(*) FROM lexical_postings_closed").fetchone()[0] == kb.execute(
-            "SELECT coalesce(sum(length(kb_lexemes(embed_text))), 0) FROM chunks WHERE valid_to IS NOT NULL").fetchone()[0]
+            "SELECT coalesce(sum(length(kb_chunk_lexemes(embed_prefix, text))), 0) FROM chunks WHERE valid_to IS NOT NULL").fetchone()[0]
 
     consistent()
     (samples_copy / "ops/postgres-runbook.txt").unlink()
@@ -74,16 +77,24 @@ def test_term_statistics_follow_every_publish(kb, embedder, samples_copy):
 def test_a_published_chunk_has_its_lexemes_computed_once(kb):
     """Postings, document frequency and the chunk's length all come from one reading of its prefix and one of its
     text (issue 32: each was a reading of its own, a quarter of a first ingest's publish). Counted by the calls of
-    kb_identifiers, which every reading of a text makes once."""
+    kb_identifiers, which every reading of a text makes once. A text that opens with "~" reads as it does alone (in
+    the embedded text the parser would drop it), and its postings are kb_chunk_lexemes' all the same."""
     with kb.transaction(force_rollback=True):
         kb.execute("SET LOCAL track_functions = 'all'")
-        kb.execute("INSERT INTO chunks (document_id, ordinal, kind, text, embed_prefix, text_hash, section_path,"
-                   " token_count, chunker_version, enrich_version)"
-                   " SELECT document_id, ordinal + 1000, kind, text, embed_prefix, text_hash || 'x', section_path,"
-                   " token_count, chunker_version, enrich_version FROM chunks WHERE valid_to IS NULL AND kind <> 'card'"
-                   " ORDER BY chunk_id LIMIT 3")
+        new = kb.execute("INSERT INTO chunks (document_id, ordinal, kind, text, embed_prefix, text_hash, section_path,"
+                         " token_count, chunker_version, enrich_version)"
+                         " SELECT document_id, ordinal + 1000, kind, CASE WHEN ordinal = 0 THEN '~/.pgpass holds it'"
+                         " ELSE text END, 'Build\n\n', text_hash || 'x', section_path, token_count, chunker_version,"
+                         " enrich_version FROM chunks WHERE valid_to IS NULL AND kind <> 'card' ORDER BY ordinal, chunk_id"
+                         " LIMIT 3 RETURNING chunk_id").fetchall()
         calls = kb.execute("SELECT calls FROM pg_stat_xact_user_functions WHERE funcname = 'kb_identifiers'").fetchone()
+        postings = kb.execute("SELECT p.chunk_id, t.term, p.tf FROM lexical_postings p JOIN lexical_terms t USING (term_key)"
+                              " WHERE p.chunk_id = ANY(%s) ORDER BY 1, 2", ([c for c, in new],)).fetchall()
+        recount = kb.execute("SELECT c.chunk_id, u.lexeme, array_length(u.positions, 1) FROM chunks c,"
+                             " unnest(kb_chunk_lexemes(c.embed_prefix, c.text)) u WHERE c.chunk_id = ANY(%s) ORDER BY 1, 2",
+                             ([c for c, in new],)).fetchall()
     assert calls == (2 * 3,)
+    assert postings == recount and "~/.pgpass" in {term for _, term, _ in postings}
 
 
 def _one_live_chunk(conn) -> None:

@@ -7,8 +7,9 @@ CLI, Dagster and the tests on first use): a migration may rebuild HNSW indexes f
 so it never runs because some process happened to connect first (pipelines/storage/database.py checks instead).
 
 Safe to run twice and from concurrent processes: an advisory lock serialises runners (a second one waits, then
-finds nothing pending), each file applies in its own transaction (an interrupted run keeps the files it finished),
-and a changed file that was already applied is an error rather than a silent skip.
+finds nothing pending), each migration applies in its own transaction (an interrupted run keeps the files it
+finished) but the last, which commits with the function files, and a changed file that was already applied is an
+error rather than a silent skip.
 """
 
 from __future__ import annotations
@@ -107,22 +108,42 @@ def pending(conn: psycopg.Connection, sql_dir: Path = SQL_DIR) -> list[SchemaFil
 def migrate(conn: psycopg.Connection, sql_dir: Path = SQL_DIR, *, wait_s: float = DEFAULT_WAIT_S,
             before: Callable[[list[SchemaFile]], None] | None = None,
             applied: Callable[[SchemaFile, float], None] | None = None) -> list[str]:
-    """Apply what is pending under the migration lock, each file in its own transaction; returns the names applied.
-    `before(files)` hears what will be applied once the lock is held (nothing when none is pending), `applied(file,
-    seconds)` each file as it is committed."""
+    """Apply what is pending under the migration lock, each file in its own transaction except the last migration,
+    which commits with the function files (`_transactions`); returns the names applied. `before(files)` hears what
+    will be applied once the lock is held (nothing when none is pending), `applied(file, seconds)` each file once it
+    is committed. A file that fails raises with `failed_file` set to its name."""
     names = []
     with migration_lock(conn, wait_s):
         _create_ledgers(conn)
         todo = pending(conn, sql_dir)
         if todo and before:
             before(todo)
-        for item in todo:
-            started = time.perf_counter()
-            _apply(conn, item)
-            names.append(item.name)
-            if applied:
-                applied(item, time.perf_counter() - started)
+        for group in _transactions(todo):
+            seconds = []
+            with conn.transaction():
+                for item in group:
+                    started = time.perf_counter()
+                    try:
+                        _apply(conn, item)
+                    except psycopg.Error as exc:
+                        exc.failed_file = item.name  # type: ignore[attr-defined]
+                        raise
+                    seconds.append(time.perf_counter() - started)
+            for item, spent in zip(group, seconds):
+                names.append(item.name)
+                if applied:
+                    applied(item, spent)
     return names
+
+
+def _transactions(todo: list[SchemaFile]) -> list[list[SchemaFile]]:
+    """Each migration alone, so that an interrupted run keeps those it finished, except the last, which commits with
+    the function files: a migration may change what the functions read (sql/021 drops a column the old trigger
+    functions read), and no transaction may then see the new tables with the old functions."""
+    migrations = [item for item in todo if item.version is not None]
+    functions = [item for item in todo if item.version is None]
+    groups = [[item] for item in migrations[:-1]] + [migrations[-1:] + functions]
+    return [group for group in groups if group]
 
 
 @contextmanager
@@ -168,15 +189,15 @@ def _create_ledgers(conn: psycopg.Connection) -> None:
 
 
 def _apply(conn: psycopg.Connection, item: SchemaFile) -> None:
-    with conn.transaction():
-        conn.execute(item.text)
-        if item.version is None:
-            conn.execute("INSERT INTO kb_schema_functions (name, checksum) VALUES (%s, %s)"
-                         " ON CONFLICT (name) DO UPDATE SET checksum = excluded.checksum, applied_at = now()",
-                         (item.name.removeprefix("functions/"), item.checksum))
-        else:
-            conn.execute("INSERT INTO kb_schema_migrations (version, name, checksum) VALUES (%s, %s, %s)",
-                         (item.version, item.name, item.checksum))
+    """One file and its ledger row, inside the caller's transaction."""
+    conn.execute(item.text)
+    if item.version is None:
+        conn.execute("INSERT INTO kb_schema_functions (name, checksum) VALUES (%s, %s)"
+                     " ON CONFLICT (name) DO UPDATE SET checksum = excluded.checksum, applied_at = now()",
+                     (item.name.removeprefix("functions/"), item.checksum))
+    else:
+        conn.execute("INSERT INTO kb_schema_migrations (version, name, checksum) VALUES (%s, %s, %s)",
+                     (item.version, item.name, item.checksum))
 
 
 def _exists(conn: psycopg.Connection, table: str) -> bool:

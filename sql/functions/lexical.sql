@@ -1,6 +1,6 @@
 -- BM25 bookkeeping, kept current by triggers on `chunks` (created in sql/003 and sql/004).
 --
--- Every chunk written adds one posting per lexeme of its embedded text, to lexical_postings when it is live and to
+-- Every chunk written adds one posting per lexeme of its embedded text (kb_chunk_lexemes), to lexical_postings when it is live and to
 -- lexical_postings_closed when it is not; a posting names its term in the chunk's source by lexical_terms.term_key
 -- (a row is created for a (term, source) pair the first time one is seen). A chunk that becomes live adds +1 to its
 -- source's postings count of each of its lexemes and, for lexemes of its own text (not only of its title/section
@@ -12,6 +12,15 @@
 -- on its lexical_terms row (df - df_before, postings - postings_before, at changed_at), and goes to its history the
 -- first time a later transaction changes the term: one history row per term and transaction, written once, not one
 -- upsert per statement (a publish changes each term in many statements).
+
+-- A chunk's lexemes: its prefix's (title and section path) and its own text's, each read on its own, the text's
+-- weighted A. A lexeme's positions count it in the embedded text (its tf); an A among its weights says the chunk's own
+-- text holds it (document frequency counts those). Read on its own, a text that opens with "~" or ".." keeps them as
+-- a query that opens with them does ("~/.pgpass"); read after the prefix's blank line, the parser drops them.
+CREATE OR REPLACE FUNCTION kb_chunk_lexemes(prefix text, body text) RETURNS tsvector
+LANGUAGE sql IMMUTABLE PARALLEL SAFE AS $$
+    SELECT kb_lexemes(prefix) || setweight(kb_lexemes(body), 'A')
+$$;
 
 -- A chunk's length as BM25 normalises it (every position of every lexeme of its embedded text, at most 32,767), as
 -- each of its postings, live or closed, carries it: one index probe. A chunk without a lexeme has no posting and
@@ -100,14 +109,13 @@ DECLARE
     term_keys int[]; term_df bigint[]; term_postings bigint[];
     source_keys int[]; source_chunks bigint[]; source_lengths bigint[];
 BEGIN
-    -- Each chunk's lexemes once (a plain LATERAL subquery would be inlined and recomputed per use): those of its
-    -- text weighted A, so that one tsvector gives each lexeme's count in the embedded text (prefix and text) and
-    -- whether the chunk's own text holds it, which document frequency counts. A (term, source) pair new to
+    -- Each chunk's lexemes once (kb_chunk_lexemes; a plain LATERAL subquery would be inlined and recomputed per
+    -- use): one tsvector gives each lexeme's count and whether the chunk's own text holds it. A (term, source) pair new to
     -- lexical_terms gets its key here; one a concurrent writer added meanwhile is found by the no-op update, which
     -- returns it. The new chunks' changes to the statistics are counted from these rows, not read back.
     WITH vectors AS MATERIALIZED (
         SELECT n.chunk_id, n.valid_to IS NULL AS live, s.source_key,
-               kb_lexemes(n.embed_prefix) || setweight(kb_lexemes(n.text), 'A') AS lexemes
+               kb_chunk_lexemes(n.embed_prefix, n.text) AS lexemes
         FROM new_rows n
         JOIN documents d USING (document_id)
         JOIN sources s USING (source_id)
