@@ -17,7 +17,7 @@ CONSISTENCY = {
         WHERE (coalesce(t.df, 0), coalesce(t.postings, 0)) <> (coalesce(r.df, 0), coalesce(r.postings, 0))""",
     "stats differ from a recount of the live chunks": """
         WITH recount AS (
-            SELECT s.source_key, count(*) AS chunks, sum((SELECT sum(coalesce(array_length(u.positions, 1), 1)) FROM unnest(kb_chunk_lexemes(c.embed_prefix, c.text)) u)) AS total_length
+            SELECT s.source_key, count(*) AS chunks, sum(kb_lexemes_length(kb_chunk_lexemes(c.embed_prefix, c.text))) AS total_length
             FROM chunks c JOIN documents d USING (document_id) JOIN sources s USING (source_id)
             WHERE c.valid_to IS NULL GROUP BY 1)
         SELECT * FROM lexical_stats l FULL JOIN recount r USING (source_key)

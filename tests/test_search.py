@@ -21,8 +21,6 @@ def kb(conn, embedder, samples_copy):
 
 
 PUBLIC = "JOIN sources s USING (source_key) WHERE s.allowed_groups IS NULL"  # what an anonymous caller reads
-# A chunk c's length recounted from its lexemes: every position of every lexeme.
-CHUNK_LENGTH = "(SELECT sum(coalesce(array_length(u.positions, 1), 1)) FROM unnest(kb_chunk_lexemes(c.embed_prefix, c.text)) u)"
 
 
 def test_bm25_scores_match_the_formula_over_live_statistics(kb, embedder):
@@ -49,7 +47,8 @@ def test_term_statistics_follow_every_publish(kb, embedder, samples_copy):
                   " WHERE c.valid_to IS NULL")
 
     def consistent():
-        live = dict(kb.execute(f"SELECT s.source_key, (count(*), sum({CHUNK_LENGTH})) {per_source} GROUP BY 1").fetchall())
+        live = dict(kb.execute(f"SELECT s.source_key, (count(*), sum(kb_lexemes_length(kb_chunk_lexemes(c.embed_prefix,"
+                               f" c.text)))) {per_source} GROUP BY 1").fetchall())
         assert dict(kb.execute("SELECT source_key, (chunks, total_length) FROM lexical_stats").fetchall()) == live
         def per_term(lexemes):  # live chunks per (lexeme, source) among the given lexemes of each chunk
             return dict(kb.execute(f"SELECT (u.lexeme, s.source_key), count(*)"

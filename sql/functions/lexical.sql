@@ -22,6 +22,12 @@ LANGUAGE sql IMMUTABLE PARALLEL SAFE AS $$
     SELECT kb_lexemes(prefix) || setweight(kb_lexemes(body), 'A')
 $$;
 
+-- The length BM25 normalises by: every position of every lexeme.
+CREATE OR REPLACE FUNCTION kb_lexemes_length(lexemes tsvector) RETURNS int
+LANGUAGE sql IMMUTABLE PARALLEL SAFE AS $$
+    SELECT coalesce(sum(coalesce(array_length(u.positions, 1), 1)), 0)::int FROM unnest(lexemes) AS u
+$$;
+
 -- A chunk's length as BM25 normalises it (every position of every lexeme of its embedded text, at most 32,767), as
 -- each of its postings, live or closed, carries it: one index probe. A chunk without a lexeme has no posting and
 -- length 0.
@@ -119,10 +125,8 @@ BEGIN
         FROM new_rows n
         JOIN documents d USING (document_id)
         JOIN sources s USING (source_id)
-    ), sized AS MATERIALIZED (  -- a chunk's length: every position of every lexeme (kb_lexical_length), as postings hold it
-        SELECT v.*, least((SELECT coalesce(sum(coalesce(array_length(u.positions, 1), 1)), 0) FROM unnest(v.lexemes) AS u),
-                          32767) AS length
-        FROM vectors v
+    ), sized AS MATERIALIZED (  -- a chunk's length, as its postings hold it
+        SELECT v.*, least(kb_lexemes_length(v.lexemes), 32767) AS length FROM vectors v
     ), lexemes AS MATERIALIZED (
         SELECT z.chunk_id, z.live, z.source_key, z.length,
                u.lexeme, coalesce(array_length(u.positions, 1), 1) AS tf, 'A' = ANY(u.weights) AS in_body
