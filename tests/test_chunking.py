@@ -97,6 +97,33 @@ def test_table_too_long_is_split_between_rows_with_the_header_repeated(chunker):
     assert len(body) == 40 and len(set(body)) == 40
 
 
+class _Tallied:
+    """The model's counter, tallying the characters it is given to tokenize."""
+
+    def __init__(self):
+        self.inner, self.characters = local_counter(), 0
+        self.max_tokens, self.additive = self.inner.max_tokens, self.inner.additive
+
+    def count(self, texts):
+        self.characters += sum(map(len, texts))
+        return self.inner.count(texts)
+
+    def token_ends(self, text):
+        self.characters += len(text)
+        return self.inner.token_ends(text)
+
+
+def test_a_long_section_is_tokenized_once_and_its_chunks_counted_exactly():
+    """The tokenizer was half of a first ingest's chunk stage: the text was read whole, then sentence by sentence,
+    then chunk by chunk. The model's word pieces add up, so the chunker reads them once."""
+    counter = _Tallied()
+    paragraphs = [long_paragraph(30, start=30 * i) for i in range(3)]
+    chunks = Chunker(counter).chunk(section("Fans", 0, paragraphs), "Manual")
+    assert len(chunks) > 3
+    assert counter.characters < 1.1 * sum(map(len, paragraphs))  # about 3.3x before
+    assert [c.token_count for c in chunks] == local_counter().count([c.text for c in chunks])
+
+
 def test_heading_without_body_keeps_its_text(chunker):
     elements = [Element("Title", "Only a heading", depth=0, section_path=["Only a heading"]),
                 Element("Title", "Another heading", depth=0, section_path=["Another heading"])]
@@ -140,6 +167,7 @@ def test_any_text_and_structure_chunk_within_the_limit_and_lose_nothing(chunker,
     embedded_title = context_title(local_counter(), title)  # the title as the enricher prepends it
     for chunk in chunks:
         assert local_counter().count([embed_text(embedded_title, chunk.section_path, chunk.text)])[0] <= limit
+        assert chunk.token_count == local_counter().count([chunk.text])[0]  # read off the whole text's tokens
     body = "".join("".join(c.text.split()) for c in chunks)
     for element in elements:
         if element.category != "Title":

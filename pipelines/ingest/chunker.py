@@ -15,13 +15,14 @@ The budget is counted with the embedding model's tokenizer, on the text that is 
 from __future__ import annotations
 
 import unicodedata
+from bisect import bisect_right
 from dataclasses import dataclass, field
 from html.parser import HTMLParser
 from itertools import groupby
 
 from pipelines.ingest.elements import Element
 from pipelines.ingest.enrich import PREFIX_MAX_TOKENS, context_title, embed_prefix
-from pipelines.ingest.sentences import split_sentences
+from pipelines.ingest.sentences import sentences_at
 from pipelines.models.tokens import TokenCounter
 
 # 2: oversized text cut between tokens, titles bounded (context_title); 3: elements cleaned first (clean.py), and
@@ -38,7 +39,7 @@ class ChunkDraft:
     text: str
     section_path: list[str]
     page_number: int | None
-    token_count: int = 0
+    token_count: int = 0  # the counter's count of `text`
 
 
 @dataclass
@@ -133,18 +134,25 @@ class Chunker:
         rows = table_rows(table)
         tokens = self.counter.count(rows)
         if sum(tokens) + len(rows) <= budget:
-            return [ChunkDraft("table", "\n".join(rows), path, table.page_number, sum(tokens) + len(rows))]
-        header, header_tokens = rows[0], tokens[0] + 1
+            return self._table_piece(rows, tokens, table, path, budget)
         pieces: list[ChunkDraft] = []
-        current, used = [header], header_tokens
+        current, counts = [rows[0]], [tokens[0]]  # the header row starts every piece
         for row, count in zip(rows[1:], tokens[1:]):
-            if len(current) > 1 and used + count + 1 > budget:
-                pieces.append(ChunkDraft("table", "\n".join(current), path, table.page_number, used))
-                current, used = [header], header_tokens
+            if len(current) > 1 and sum(counts) + len(counts) + count + 1 > budget:
+                pieces += self._table_piece(current, counts, table, path, budget)
+                current, counts = [rows[0]], [tokens[0]]
             current.append(row)
-            used += count + 1
-        pieces.append(ChunkDraft("table", "\n".join(current), path, table.page_number, used))
-        return [p for piece in pieces for p in self._split_oversized(piece, budget)]
+            counts.append(count)
+        return pieces + self._table_piece(current, counts, table, path, budget)
+
+    def _table_piece(self, rows: list[str], counts: list[int], table: Element, path: list[str],
+                     budget: int) -> list[ChunkDraft]:
+        """Rows as one chunk, a row break counted as a token; cut between words when one row is too long."""
+        text = "\n".join(rows)
+        if sum(counts) + len(counts) > budget:
+            return [ChunkDraft("table", piece, path, table.page_number, tokens)
+                    for piece, tokens in self._hard_split(text, budget)]
+        return [ChunkDraft("table", text, path, table.page_number, self._joined(text, counts))]
 
     def _split_oversized(self, draft: ChunkDraft, budget: int) -> list[ChunkDraft]:
         """Last resort for one row or sentence longer than the whole budget."""
@@ -185,19 +193,29 @@ class Chunker:
     def _text(self, blocks: list[Element], path: list[str], budget: int) -> list[ChunkDraft]:
         paragraphs = [b.text for b in blocks]
         whole = "\n\n".join(paragraphs)
-        whole_tokens = self.counter.count([whole])[0]
+        # An additive counter tokenizes the text once: its sentences' counts are read off the whole's tokens.
+        ends = self.counter.token_ends(whole) if self.counter.additive else None
+        whole_tokens = len(ends) if ends is not None else self.counter.count([whole])[0]
         if whole_tokens <= budget:
             return [ChunkDraft("text", whole, path, blocks[0].page_number, whole_tokens)]
-        sentences = self._sentences(blocks)
+        sentences = self._sentences(blocks, ends)
         return self._pack(sentences, path, budget)
 
-    def _sentences(self, blocks: list[Element]) -> list[_Sentence]:
-        texts, owners = [], []
+    def _sentences(self, blocks: list[Element], ends: list[int] | None) -> list[_Sentence]:
+        """Each block's sentences with their counts: the tokens of the whole text (`ends`, blocks joined by a blank
+        line) that end inside each sentence's span, else each sentence counted on its own."""
+        texts, spans, owners = [], [], []
+        offset = 0
         for index, block in enumerate(blocks):
-            for sentence in split_sentences(block.text) or [block.text]:
+            for sentence, start, end in sentences_at(block.text) or [(block.text, 0, len(block.text))]:
                 texts.append(sentence)
+                spans.append((offset + start, offset + end))
                 owners.append((index, block.page_number))
-        counts = self.counter.count(texts)
+            offset += len(block.text) + 2
+        if ends is None:
+            counts = self.counter.count(texts)
+        else:
+            counts = [bisect_right(ends, end) - bisect_right(ends, start) for start, end in spans]
         return [_Sentence(t, c, p, page) for t, c, (p, page) in zip(texts, counts, owners)]
 
     def _pack(self, sentences: list[_Sentence], path: list[str], budget: int) -> list[ChunkDraft]:
@@ -235,7 +253,11 @@ class Chunker:
         for paragraph, group in groupby(sentences, key=lambda s: s.paragraph):
             parts.append(" ".join(s.text for s in group))
         text = "\n\n".join(parts)
-        return ChunkDraft("text", text, path, sentences[0].page, self.counter.count([text])[0])
+        return ChunkDraft("text", text, path, sentences[0].page, self._joined(text, [s.tokens for s in sentences]))
+
+    def _joined(self, text: str, counts: list[int]) -> int:
+        """The count of `text`, made of pieces with these counts joined by whitespace."""
+        return sum(counts) if self.counter.additive else self.counter.count([text])[0]
 
 
 SENTENCE_ENDS = (".", "!", "?", "。", "！", "？", "।", "؟", "…")

@@ -37,14 +37,20 @@ def _nlp():
     return nlp
 
 
-def split_sentences(text: str) -> list[str]:
-    sentences: list[str] = []
+def sentences_at(text: str) -> list[tuple[str, int, int]]:
+    """Each sentence of `text`, stripped, with the span of `text` it covers; a sentence glued to the one before it
+    (_GLUE_SUFFIXES) is one sentence covering both spans, their texts joined by a space."""
+    sentences: list[tuple[str, int, int]] = []
     for sent in _nlp()(text).sents:
         piece = sent.text.strip()
         if not piece:
             continue
-        if sentences and sentences[-1].endswith(_GLUE_SUFFIXES):
-            sentences[-1] = f"{sentences[-1]} {piece}"
+        if sentences and sentences[-1][0].endswith(_GLUE_SUFFIXES):
+            sentences[-1] = (f"{sentences[-1][0]} {piece}", sentences[-1][1], sent.end_char)
         else:
-            sentences.append(piece)
+            sentences.append((piece, sent.start_char, sent.end_char))
     return sentences
+
+
+def split_sentences(text: str) -> list[str]:
+    return [sentence for sentence, _, _ in sentences_at(text)]

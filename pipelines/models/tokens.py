@@ -9,6 +9,10 @@ from typing import Protocol
 
 class TokenCounter(Protocol):
     max_tokens: int  # content tokens the model reads, special tokens excluded
+    # Whether texts joined by whitespace count as the sum of their counts, and a piece of a text cut where a word or
+    # punctuation mark ends counts as the tokens of the whole that end inside it: then the chunker tokenizes a text
+    # once and reads its sentences' and chunks' counts off it, instead of tokenizing each again.
+    additive: bool
 
     def count(self, texts: list[str]) -> list[int]: ...
 
@@ -24,7 +28,12 @@ def local_model_dir() -> Path:
 
 
 class WordPieceCounter:
-    """all-MiniLM-L6-v2 reads 256 word pieces including [CLS] and [SEP]; anything longer is silently cut."""
+    """all-MiniLM-L6-v2 reads 256 word pieces including [CLS] and [SEP]; anything longer is silently cut.
+
+    Its counts add up (TokenCounter.additive): BERT's normaliser works character by character, its pre-tokenizer
+    cuts at every whitespace and punctuation character, and word pieces never cross those cuts."""
+
+    additive = True
 
     def __init__(self, tokenizer_json: Path, max_sequence: int = 256):
         self.max_tokens = max_sequence - 2
@@ -61,7 +70,10 @@ def local_counter() -> WordPieceCounter:
 
 
 class TiktokenCounter:
-    """OpenAI embedding models read 8,191 cl100k tokens; chunks stay far below, but the count must be theirs."""
+    """OpenAI embedding models read 8,191 cl100k tokens; chunks stay far below, but the count must be theirs. Its
+    counts do not add up: a byte-pair token takes the space before a word with it."""
+
+    additive = False
 
     def __init__(self, cache_dir: Path, max_tokens: int = 8191):
         self._encoding = _offline_cl100k(cache_dir)
