@@ -144,6 +144,35 @@ def test_a_knowledge_base_too_small_to_calibrate_keeps_the_default(conn, embedde
     assert result["calibration"]["origin"] == "default" and not result["abstained"]
 
 
+def _calibrated(conn) -> list[dict]:
+    return conn.execute("SELECT stages->'calibrate'->'notes'->'calibrations' FROM ingest_runs"
+                        " ORDER BY run_id DESC LIMIT 1").fetchone()[0]
+
+
+def test_probes_are_drawn_from_chunks_that_have_something_to_ask_about(conn, embedder, settings, tmp_path):
+    """A knowledge base of error codes and a FAQ: most chunks hold no sentence to build a question from, and the fit
+    draws on, up to every FAQ entry, instead of fitting on the few that the first chunks drawn hold."""
+    codes = tmp_path / "codes.jsonl"
+    codes.write_text("".join(f'{{"_id": "c{n}", "title": "E-{n:03d}", "text": "E-{n:03d}: fan {n} stalled."}}\n'
+                             for n in range(100)))
+    add_source(conn, declare("faq", NEWCOMER_FAQ), "tests")
+    add_source(conn, declare("codes", codes), "tests")
+    ingest(conn, embedder, settings)
+    drawn = conn.execute("SELECT DISTINCT source_id, chunk_id FROM answer_probes").fetchall()
+    assert {source for source, _ in drawn} == {"faq"} and len(drawn) == 25  # every FAQ entry
+
+
+def test_a_knowledge_base_with_nothing_to_ask_about_says_so_and_keeps_the_default(conn, embedder, settings, tmp_path):
+    codes = tmp_path / "codes.jsonl"
+    codes.write_text("".join(f'{{"_id": "c{n}", "title": "E-{n:03d}", "text": "E-{n:03d}: fan {n} stalled."}}\n'
+                             for n in range(MIN_CHUNKS + 5)))
+    add_source(conn, declare("codes", codes), "tests")
+    ingest(conn, embedder, settings)
+    (public,) = _calibrated(conn)
+    assert not public["fitted"] and public["why"].startswith("no probe: none of 240 chunks drawn holds")
+    assert current(conn, embedder.model_key, []).origin == "default"
+
+
 def _chunks_of(conn, locator: str) -> set[int]:
     return {r[0] for r in conn.execute("SELECT c.chunk_id FROM chunks c JOIN documents d USING (document_id)"
                                        " WHERE d.locator = %s", (locator,)).fetchall()}

@@ -124,6 +124,17 @@ def test_a_long_section_is_tokenized_once_and_its_chunks_counted_exactly():
     assert [c.token_count for c in chunks] == local_counter().count([c.text for c in chunks])
 
 
+def test_a_paragraph_of_over_a_million_characters_is_chunked_within_the_limit(chunker):
+    """A text file that is one paragraph: spaCy refuses a text over a million characters, which stopped the run."""
+    paragraph = " ".join(SENTENCE.format(n=n) for n in range(12_000))  # 1.2 million characters
+    chunks = chunker.chunk(section("Log", 0, [paragraph]), "Dump")
+    counted = local_counter().count([c.text for c in chunks])
+    assert len(chunks) > 1_000 and max(counted) <= local_counter().max_tokens
+    assert [c.token_count for c in chunks] == counted
+    covered = {p.strip() + "." for c in chunks for p in c.text.split(".") if p.strip()}
+    assert covered == {SENTENCE.format(n=n) for n in range(12_000)}, "text was lost between chunks"
+
+
 def test_heading_without_body_keeps_its_text(chunker):
     elements = [Element("Title", "Only a heading", depth=0, section_path=["Only a heading"]),
                 Element("Title", "Another heading", depth=0, section_path=["Another heading"])]

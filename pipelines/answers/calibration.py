@@ -44,6 +44,7 @@ from pipelines.retrieval.readable import DOCUMENTS, Readable, readable
 
 MIN_CHUNKS = 20  # fewer chunks than this in a scope: too few probes to fit five weights, the default serves
 PROBE_CHUNKS = 60  # chunk texts (a card question or a sentence) a fit draws probes from, four probes each
+DRAWN = 4  # chunks read per chunk needed: the drawn ones may hold no sentence to ask about
 REFIT_SHARE = 0.1  # a run that changed this share of a scope's chunks refits it
 RIDGE = 1.0  # probes can be separable: the penalty keeps the weights finite and close to zero where data is thin
 KEEP_WORDS = 0.5
@@ -186,9 +187,13 @@ class Probe:
 def build_probes(conn: psycopg.Connection, scope: Readable, limit: int = PROBE_CHUNKS) -> list[Probe]:
     """Four probes for each of up to `limit` texts of the scope's chunks (drawn by text hash: the same chunks while
     they last): answerable and left_out, each as the chunk words it and reworded (module docstring)."""
-    rows = conn.execute(SAMPLE, {**scope.params(), "limit": limit}).fetchall()
-    texts = [(chunk_id, source, locator, _source_texts(text, question))
-             for chunk_id, source, locator, text, question in rows]
+    texts = []  # the first `limit` chunks drawn that have something to ask about (a table, a log line may not)
+    for chunk_id, source, locator, text, question in conn.execute(
+            SAMPLE, {**scope.params(), "limit": limit * DRAWN}).fetchall():
+        if found := _source_texts(text, question):
+            texts.append((chunk_id, source, locator, found))
+            if len(texts) == limit:
+                break
     # One text per chunk, then a second one of each, and so on: a small knowledge base still gets `limit` probes.
     sources = [(chunk_id, source, locator, found[n]) for n in range(max((len(t[3]) for t in texts), default=0))
                for chunk_id, source, locator, found in texts if n < len(found)][:limit]
@@ -290,6 +295,11 @@ def calibrate(conn: psycopg.Connection, settings, embedder, *, changed: bool = T
             continue
         scope = readable(conn, [group] if group else [])
         probes = build_probes(conn, scope)
+        if not probes:
+            done.append({"scope": group or "public", "fitted": False,
+                         "why": f"no probe: none of {PROBE_CHUNKS * DRAWN} chunks drawn holds a Q&A card or a sentence"
+                                " of 6 to 40 words to ask about; the default weights serve"})
+            continue
         for probe, features in zip(probes, probe_features(conn, settings, embedder, probes,
                                                           [group] if group else [])):
             probe.features = features

@@ -118,17 +118,27 @@ def _spread_to(workers: Workers, batches: int) -> Workers | None:
     return replace(workers, processes=processes) if processes > 1 and batches >= SPREAD_FROM_BATCHES else None
 
 
-def _chunk_task(task: tuple) -> list[list[ChunkDraft]]:
-    """A batch's unit of work, here or on a worker: each document's drafts. The counter travels as what to build,
-    not as this machine's paths, and is built once per process (see pipelines/models/tokens.py)."""
+def _chunk_task(task: tuple) -> list[list[ChunkDraft] | str]:
+    """A batch's unit of work, here or on a worker: each document's drafts, or why it could not be chunked (a bug of
+    the chunker or of a library it calls costs that document only). The counter travels as what to build, not as this
+    machine's paths, and is built once per process (see pipelines/models/tokens.py)."""
     counter, documents = task
     chunker = Chunker(counter)
-    return [chunker.chunk(clean(elements, doc_format), title and normalise(title))
-            for elements, title, doc_format in documents]
+    return [_drafts(chunker, elements, title, doc_format) for elements, title, doc_format in documents]
 
 
-def _refused(drafts: list[ChunkDraft] | Lost, max_chunks: int) -> str | None:
-    """Why a document's drafts are not stored: too many chunks, or its batch's worker was lost."""
+def _drafts(chunker: Chunker, elements: list, title: str | None, doc_format: str) -> list[ChunkDraft] | str:
+    try:
+        return chunker.chunk(clean(elements, doc_format), title and normalise(title))
+    except Exception as exc:
+        return f"cannot chunk: {type(exc).__name__}: {exc}"
+
+
+def _refused(drafts: list[ChunkDraft] | Lost | str, max_chunks: int) -> str | None:
+    """Why a document's drafts are not stored: its chunking failed, it has too many chunks, or its batch's worker was
+    lost."""
+    if isinstance(drafts, str):
+        return drafts
     if isinstance(drafts, Lost):
         return f"chunking stopped: {drafts.reason}"
     if len(drafts) > max_chunks:

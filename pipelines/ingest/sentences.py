@@ -12,6 +12,9 @@ from functools import lru_cache
 
 # Sentences ending in these are citations or references, not sentence ends: glue them to what follows.
 _GLUE_SUFFIXES = ("et al.", "Fig.", "fig.", "cf.", "No.", "approx.", "vs.")
+# Longer text is split in windows of about this many characters, each cut at a line break or a space: spaCy refuses a
+# text over a million characters (a text file that is one paragraph), and its tokens take memory in proportion.
+WINDOW_CHARS = 100_000
 
 
 def import_spacy():
@@ -40,16 +43,42 @@ def _nlp():
 def sentences_at(text: str) -> list[tuple[str, int, int]]:
     """Each sentence of `text`, stripped, with the span of `text` it covers; a sentence glued to the one before it
     (_GLUE_SUFFIXES) is one sentence covering both spans, their texts joined by a space."""
+    nlp = _nlp()
     sentences: list[tuple[str, int, int]] = []
-    for sent in _nlp()(text).sents:
-        piece = sent.text.strip()
-        if not piece:
-            continue
-        if sentences and sentences[-1][0].endswith(_GLUE_SUFFIXES):
-            sentences[-1] = (f"{sentences[-1][0]} {piece}", sentences[-1][1], sent.end_char)
-        else:
-            sentences.append((piece, sent.start_char, sent.end_char))
+    for offset, window in _windows(text):
+        for sent in nlp.get_pipe("sentencizer")(nlp.tokenizer(window)).sents:  # nlp(window) without its size check
+            piece = sent.text.strip()
+            if not piece:
+                continue
+            end = offset + sent.end_char
+            if sentences and sentences[-1][0].endswith(_GLUE_SUFFIXES):
+                sentences[-1] = (f"{sentences[-1][0]} {piece}", sentences[-1][1], end)
+            else:
+                sentences.append((piece, offset + sent.start_char, end))
     return sentences
+
+
+def _windows(text: str) -> list[tuple[int, str]]:
+    """`text` as (offset, piece) of about WINDOW_CHARS each, never cut inside a word (so a cut is where every tokenizer
+    cuts too): in a window's second half (_cut), else at the first line break or space past it."""
+    windows, start = [], 0
+    while len(text) - start > WINDOW_CHARS:
+        end = start + WINDOW_CHARS
+        cut = _cut(text, end - WINDOW_CHARS // 2, end)
+        if cut < 0:
+            cut = min((i for i in (text.find("\n", end), text.find(" ", end)) if i >= 0), default=len(text) - 1)
+        windows.append((start, text[start:cut + 1]))
+        start = cut + 1
+    return windows + [(start, text[start:])]
+
+
+def _cut(text: str, start: int, end: int) -> int:
+    """The last line break in text[start:end], else the space after its last sentence end, else its last space."""
+    line = text.rfind("\n", start, end)
+    if line >= 0:
+        return line
+    sentence = max(text.rfind(f"{mark} ", start, end) for mark in ".?!")
+    return sentence + 1 if sentence >= 0 else text.rfind(" ", start, end)
 
 
 def split_sentences(text: str) -> list[str]:
