@@ -131,7 +131,8 @@ def _drafts(chunker: Chunker, elements: list, title: str | None, doc_format: str
     try:
         return chunker.chunk(clean(elements, doc_format), title and normalise(title))
     except Exception as exc:
-        return f"cannot chunk: {type(exc).__name__}: {exc}"
+        return (f"cannot chunk: {type(exc).__name__}: {exc} (kb's chunker failed on this document, which keeps its"
+                " last version: please report it with the file)")
 
 
 def _refused(drafts: list[ChunkDraft] | Lost | str, max_chunks: int) -> str | None:
