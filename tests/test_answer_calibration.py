@@ -169,7 +169,8 @@ def test_a_knowledge_base_with_nothing_to_ask_about_says_so_and_keeps_the_defaul
     add_source(conn, declare("codes", codes), "tests")
     ingest(conn, embedder, settings)
     (public,) = _calibrated(conn)
-    assert not public["fitted"] and public["why"].startswith("no probe: none of 240 chunks drawn holds")
+    assert not public["fitted"] and public["why"] == ("no probe: no chunk drawn holds a Q&A card or a sentence of 6 to"
+                                                      " 40 words to ask about; the default weights serve")
     assert current(conn, embedder.model_key, []).origin == "default"
 
 

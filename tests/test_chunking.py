@@ -135,6 +135,14 @@ def test_a_paragraph_of_over_a_million_characters_is_chunked_within_the_limit(ch
     assert covered == {SENTENCE.format(n=n) for n in range(12_000)}, "text was lost between chunks"
 
 
+def test_a_long_hard_wrapped_paragraph_is_read_in_windows_cut_between_sentences():
+    from pipelines.ingest.sentences import WINDOW_CHARS, split_sentences
+
+    line = "Replaced the cooling fan on unit {n} after the controller reported a\nstall during the night shift."
+    paragraph = " ".join(line.format(n=n) for n in range(2 * WINDOW_CHARS // len(line) + 50))
+    assert [s for s in split_sentences(paragraph) if not s.endswith("shift.")] == []
+
+
 def test_heading_without_body_keeps_its_text(chunker):
     elements = [Element("Title", "Only a heading", depth=0, section_path=["Only a heading"]),
                 Element("Title", "Another heading", depth=0, section_path=["Another heading"])]

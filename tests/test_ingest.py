@@ -88,6 +88,28 @@ def test_a_document_the_chunker_fails_on_fails_alone_and_the_run_goes_on(conn, e
     assert summary.counters()["documents_published"] == 12
 
 
+def test_a_draft_enriched_again_is_counted_afresh(conn, embedder):
+    """Drafts enriched in a run whose embedding failed, then enriched again by a newer enricher: their stored count
+    is of the old embedded text, so the new one is counted whole, not prefix + that count."""
+    from pipelines.ingest.enrich import enrich_pending
+
+    class Down:  # an embedding endpoint that is down
+        model_key, dimensions, counter = embedder.model_key, embedder.dimensions, embedder.counter
+
+        def embed(self, texts):
+            raise ConnectionError("the embedding endpoint is down")
+
+    try:
+        ingest_samples(conn, Down())
+    except Exception:
+        pass
+    assert conn.execute("SELECT count(*) FROM chunk_drafts WHERE embed_text IS NOT NULL").fetchone()[0] > 13
+    conn.execute("UPDATE chunk_drafts SET enrich_version = 'enrich-1'")  # an older enricher's
+    enrich_pending(conn, embedder.counter)
+    rows = conn.execute("SELECT embed_text, token_count FROM chunk_drafts ORDER BY document_id, ordinal").fetchall()
+    assert [tokens for _, tokens in rows] == embedder.counter.count([text for text, _ in rows])
+
+
 def test_second_run_writes_nothing_and_embeds_nothing(conn, embedder):
     ingest_samples(conn, embedder)
     before = snapshot(conn)

@@ -296,9 +296,10 @@ def calibrate(conn: psycopg.Connection, settings, embedder, *, changed: bool = T
         scope = readable(conn, [group] if group else [])
         probes = build_probes(conn, scope)
         if not probes:
+            kept = conn.execute(OF_SCOPE, {"model": embedder.model_key, "group": group}).fetchone()
             done.append({"scope": group or "public", "fitted": False,
-                         "why": f"no probe: none of {PROBE_CHUNKS * DRAWN} chunks drawn holds a Q&A card or a sentence"
-                                " of 6 to 40 words to ask about; the default weights serve"})
+                         "why": "no probe: no chunk drawn holds a Q&A card or a sentence of 6 to 40 words to ask about;"
+                                f" {'the last fit keeps serving' if kept else 'the default weights serve'}"})
             continue
         for probe, features in zip(probes, probe_features(conn, settings, embedder, probes,
                                                           [group] if group else [])):

@@ -80,7 +80,8 @@ def extract_entities(text: str) -> dict[str, list[str]]:
 
 
 TO_ENRICH = """
-SELECT c.document_id, c.ordinal, d.title, c.section_path, c.text, c.token_count
+SELECT c.document_id, c.ordinal, d.title, c.section_path, c.text,
+       CASE WHEN c.enrich_version IS NULL THEN c.token_count END  -- the chunker's count of the text
 FROM chunk_drafts c JOIN documents d USING (document_id)
 WHERE c.enrich_version IS DISTINCT FROM %(enricher)s
   AND (c.document_id, c.ordinal) > (%(after_doc)s, %(after_ordinal)s)
@@ -95,13 +96,16 @@ ENRICHED_COLUMNS = ("document_id", "ordinal", "embed_text", "text_hash", "entiti
 
 def _counts(counter: TokenCounter, rows: list[tuple], titles: dict, texts: list[str]) -> list[int]:
     """The count of each embedded text: its prefix's and its draft's (the chunker's count of the text) when the
-    counter's counts add up, each prefix counted once; else each embedded text counted whole."""
+    counter's counts add up, each prefix counted once; else, or for a draft enriched before (its count is then of its
+    old embedded text), the embedded text counted whole."""
     if not counter.additive:
         return counter.count(texts)
     keys = [(titles[title], tuple(path)) for _, _, title, path, _, _ in rows]
     unique = list(dict.fromkeys(keys))
     prefixes = dict(zip(unique, counter.count([embed_prefix(title, list(path)) for title, path in unique])))
-    return [prefixes[key] + tokens for key, (*_, tokens) in zip(keys, rows)]
+    again = [n for n, row in enumerate(rows) if row[5] is None]
+    recounted = dict(zip(again, counter.count([texts[n] for n in again])))
+    return [recounted[n] if n in recounted else prefixes[key] + row[5] for n, (key, row) in enumerate(zip(keys, rows))]
 
 
 def enrich_pending(conn: psycopg.Connection, counter: TokenCounter, source_ids: list[str] | None = None,

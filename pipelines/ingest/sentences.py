@@ -12,8 +12,9 @@ from functools import lru_cache
 
 # Sentences ending in these are citations or references, not sentence ends: glue them to what follows.
 _GLUE_SUFFIXES = ("et al.", "Fig.", "fig.", "cf.", "No.", "approx.", "vs.")
-# Longer text is split in windows of about this many characters, each cut at a line break or a space: spaCy refuses a
-# text over a million characters (a text file that is one paragraph), and its tokens take memory in proportion.
+# Longer text is split in windows of about this many characters, each cut after a sentence end, a line break or a
+# space: spaCy refuses a text over a million characters (a text file that is one paragraph), and its tokens take memory
+# in proportion.
 WINDOW_CHARS = 100_000
 
 
@@ -73,12 +74,13 @@ def _windows(text: str) -> list[tuple[int, str]]:
 
 
 def _cut(text: str, start: int, end: int) -> int:
-    """The last line break in text[start:end], else the space after its last sentence end, else its last space."""
+    """In text[start:end]: the line break or space after its last sentence end, else its last line break, else its
+    last space (hard-wrapped text has a line break in every sentence)."""
+    sentence = max(text.rfind(f"{mark}{space}", start, end) for mark in ".?!" for space in " \n")
+    if sentence >= 0:
+        return sentence + 1
     line = text.rfind("\n", start, end)
-    if line >= 0:
-        return line
-    sentence = max(text.rfind(f"{mark} ", start, end) for mark in ".?!")
-    return sentence + 1 if sentence >= 0 else text.rfind(" ", start, end)
+    return line if line >= 0 else text.rfind(" ", start, end)
 
 
 def split_sentences(text: str) -> list[str]:
