@@ -144,6 +144,27 @@ def test_a_knowledge_base_too_small_to_calibrate_keeps_the_default(conn, embedde
     assert result["calibration"]["origin"] == "default" and not result["abstained"]
 
 
+def test_the_calibrate_stage_counts_its_probes_as_it_goes(conn, embedder, settings):
+    """A terminal showed `calibrate: nothing to do` for the stage that takes a tenth of a first ingest."""
+    from pipelines.ingest.report import Progress
+
+    class Counted(Progress):
+        def __init__(self):
+            self.todo, self.done_ = 0, 0
+
+        def total(self, count):
+            self.todo += count
+
+        def advance(self, count=1):
+            self.done_ += count
+
+    seen: dict[str, Counted] = {}
+    add_source(conn, declare("faq", NEWCOMER_FAQ), "tests")
+    ingest(conn, embedder, settings, progress=lambda stage: seen.setdefault(stage, Counted()))
+    probes = conn.execute("SELECT count(*) FROM answer_probes").fetchone()[0]
+    assert probes > 0 and seen["calibrate"].todo == seen["calibrate"].done_ == probes
+
+
 def _calibrated(conn) -> list[dict]:
     return conn.execute("SELECT stages->'calibrate'->'notes'->'calibrations' FROM ingest_runs"
                         " ORDER BY run_id DESC LIMIT 1").fetchone()[0]

@@ -34,6 +34,7 @@ from pipelines.answers.asked import Asked, asked
 from pipelines.answers.calibration import DEFAULT, Calibration, current
 from pipelines.answers.citations import validate_citations
 from pipelines.answers.short_answer import asks_for_value, short_answer
+from pipelines.ingest.report import NO_PROGRESS, Progress
 from pipelines.ingest.sentences import split_sentences
 from pipelines.models.chat import ChatNotConfigured, complete, openai_client
 from pipelines.retrieval.search import Filters, cited, embed_query
@@ -132,15 +133,20 @@ def gather(conn: psycopg.Connection, settings: Settings, embedder, asked: Asked,
 
 
 def probe_features(conn: psycopg.Connection, settings: Settings, embedder, probes: list,
-                   groups: list[str]) -> list[list[float]]:
+                   groups: list[str], progress: Progress = NO_PROGRESS) -> list[list[float]]:
     """The evidence features (evidence.FEATURES) of each calibration probe (pipelines/answers/calibration.py) as
-    `answer_question` would weigh its question for a caller in these groups, without the documents it leaves out."""
+    `answer_question` would weigh its question for a caller in these groups, without the documents it leaves out;
+    `progress` advances by one a probe."""
     remembering = _Remembering(embedder)
     vectors = remembering.embed([p.question for p in probes])
-    found = [gather(conn, settings, remembering, asked(p.question), 5, mode="qa_first", rerank=False,
-                    filters=Filters(groups=list(groups), left_out=p.left_out), calibration=DEFAULT,
-                    message_vector=v).found for p, v in zip(probes, vectors)]
-    return [[weighed[f] for f in ev.FEATURES] for weighed in found]
+    features = []
+    for probe, vector in zip(probes, vectors):
+        weighed = gather(conn, settings, remembering, asked(probe.question), 5, mode="qa_first", rerank=False,
+                         filters=Filters(groups=list(groups), left_out=probe.left_out), calibration=DEFAULT,
+                         message_vector=vector).found
+        features.append([weighed[f] for f in ev.FEATURES])
+        progress.advance()
+    return features
 
 
 def answer_question(conn: psycopg.Connection, settings: Settings, question: str, k: int = 5, *, mode: str = "qa_first",

@@ -40,6 +40,7 @@ from psycopg import sql
 from psycopg.types.json import Jsonb
 
 from pipelines.answers import evidence as ev
+from pipelines.ingest.report import NO_PROGRESS, Progress
 from pipelines.retrieval.readable import DOCUMENTS, Readable, readable
 
 MIN_CHUNKS = 20  # fewer chunks than this in a scope: too few probes to fit five weights, the default serves
@@ -281,9 +282,10 @@ def needs_fit(conn: psycopg.Connection, model_key: str, group: str, changed: boo
 
 
 def calibrate(conn: psycopg.Connection, settings, embedder, *, changed: bool = True,
-              force: bool = False) -> list[dict]:
+              force: bool = False, progress: Progress = NO_PROGRESS) -> list[dict]:
     """Refit each scope that needs it (needs_fit; all of them with `force`) for the serving model, and forget the
-    fits of groups no source names any more; one dict per scope saying what was done."""
+    fits of groups no source names any more; one dict per scope saying what was done. `progress` counts the probes
+    (each a retrieval and its evidence: the stage's time)."""
     from pipelines.answers.answer import probe_features
 
     done, fitted = [], scopes(conn)
@@ -301,8 +303,9 @@ def calibrate(conn: psycopg.Connection, settings, embedder, *, changed: bool = T
                          "why": "no probe: no chunk drawn holds a Q&A card or a sentence of 6 to 40 words to ask about;"
                                 f" {'the last fit keeps serving' if kept else 'the default weights serve'}"})
             continue
+        progress.total(len(probes))
         for probe, features in zip(probes, probe_features(conn, settings, embedder, probes,
-                                                          [group] if group else [])):
+                                                          [group] if group else [], progress)):
             probe.features = features
         weights, answer_at, report = fit(probes)
         with conn.transaction():
@@ -324,7 +327,8 @@ def calibrate(conn: psycopg.Connection, settings, embedder, *, changed: bool = T
     return done
 
 
-def calibration_stage(conn: psycopg.Connection, settings, changed: bool) -> "StageReport":
+def calibration_stage(conn: psycopg.Connection, settings, changed: bool,
+                      progress: Progress = NO_PROGRESS) -> "StageReport":
     """The flow's `calibrate` stage: refit what needs it (needs_fit) for the serving model. A run that published
     nothing reads a few rows per scope, so a no-op refresh stays cheap."""
     from pipelines.ingest.report import StageReport
@@ -332,7 +336,7 @@ def calibration_stage(conn: psycopg.Connection, settings, changed: bool) -> "Sta
 
     report = StageReport("calibrate", ("scopes", "fitted", "probes"))
     try:
-        done = calibrate(conn, settings, query_embedder(conn, settings), changed=changed)
+        done = calibrate(conn, settings, query_embedder(conn, settings), changed=changed, progress=progress)
     except psycopg.Error:
         raise
     except Exception as exc:  # an embedding endpoint that fails (openai's errors): the last fit keeps serving

@@ -99,7 +99,7 @@ def _calibrate(run: "IngestRun", progress: Progress) -> StageReport:
     published = run.conn.execute("SELECT stages->'publish'->'counts' FROM ingest_runs WHERE run_id = %s",
                                  (run.run_id,)).fetchone()[0] or {}
     return calibration_stage(run.conn, run.settings, changed=bool(published.get("documents") or
-                                                                  published.get("deleted")))
+                                                                  published.get("deleted")), progress=progress)
 
 
 _OF_SOURCE = "JOIN documents d USING (document_id) WHERE d.source_id = %(id)s"
