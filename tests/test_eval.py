@@ -131,3 +131,35 @@ def test_the_metrics_legend_sits_beside_the_bars_not_over_them():
     axis = figure.axes[0]
     legend = axis.get_legend().get_window_extent()
     assert not legend.overlaps(axis.get_window_extent())
+
+
+def test_kb_eval_brings_its_own_database_to_this_kb_s_schema(settings, server_url, tmp_path):
+    """`kb eval --answers FOLDER` keeps the folder in a database of its own; after an upgrade of kb that database was
+    behind, and every later run stopped with "run `kb migrate`", which migrates the knowledge base's database, not
+    that one ('nothing to migrate'). kb eval migrates the database it owns."""
+    import psycopg
+    from psycopg import sql
+
+    from pipelines.storage.database import ensure_database
+    from pipelines.storage.migrations import migrate, pending
+    from tests.test_migrations import _migrations_through
+
+    folder = tmp_path / f"upgraded_{tmp_path.name}"
+    folder.mkdir()
+    (folder / "corpus.jsonl").write_text(json.dumps({"_id": "leave", "title": "Leave", "text":
+                                                     "Parental leave is twenty weeks, paid in full."}) + "\n")
+    (folder / "questions.jsonl").write_text(json.dumps({"question": "How long is parental leave?",
+                                                        "answers": ["twenty weeks"], "passages": ["leave"]}) + "\n")
+    dbname = "kb_eval_answers_" + re.sub(r"[^a-z0-9]+", "_", folder.name.lower())
+    url = ensure_database(server_url, dbname)
+    try:
+        with psycopg.connect(url, autocommit=True) as raw:
+            migrate(raw, _migrations_through(tmp_path, 13))  # as an older kb left it
+        run = CliRunner().invoke(main, ["eval", "--answers", str(folder), "--json"])
+        assert run.exit_code == 0, run.output
+        assert json.loads(run.stdout)["answers"]["ingest"]["documents_new"] == 1
+        with psycopg.connect(url, autocommit=True) as raw:
+            assert pending(raw) == []
+    finally:
+        with psycopg.connect(server_url, autocommit=True) as admin:
+            admin.execute(sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(dbname)))

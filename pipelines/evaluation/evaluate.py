@@ -216,6 +216,22 @@ def default_split(dataset: Path) -> str:
     return "test" if "test" in splits or not splits else splits[0]
 
 
+def own_database(settings, dbname: str) -> str:
+    """The URL of `kb eval`'s own database `dbname` on the knowledge base's server, created when missing and brought
+    to this version of kb's schema: it is the evaluation's scratch store, so an upgrade of kb migrates it here.
+    (`kb migrate` upgrades the knowledge base's database, never these, so a schema left behind by an older kb
+    stopped every later `kb eval` of that dataset with advice that did not help.) A database given with
+    --database-url is the user's and is never migrated by `kb eval`."""
+    import dataclasses
+
+    from pipelines.storage.database import database_url as server_url
+    from pipelines.storage.database import ensure_database, upgrade_schema
+
+    url = ensure_database(server_url(settings), dbname)
+    upgrade_schema(dataclasses.replace(settings, database_url=url))
+    return url
+
+
 def evaluate_dataset(settings, dataset: Path, split: str | None = None, database_url: str | None = None,
                      weights=(), misses: bool = False, reranker=None, progress=None) -> dict:
     """Ingest a BEIR dataset's corpus as source `beir-<name>` (in its own kb_eval_<name> database unless one is
@@ -225,13 +241,12 @@ def evaluate_dataset(settings, dataset: Path, split: str | None = None, database
     import dataclasses
 
     from pipelines.models.embedders import make_embedder
-    from pipelines.storage.database import connect, ensure_database
-    from pipelines.storage.database import database_url as server_url
+    from pipelines.storage.database import connect
     from pipelines.storage.status import ingest_statistics
 
     name = re.sub(r"[^a-z0-9]+", "_", dataset.resolve().name.lower())
     split = check_dataset(dataset, split)
-    settings = dataclasses.replace(settings, database_url=database_url or ensure_database(server_url(settings), f"kb_eval_{name}"))
+    settings = dataclasses.replace(settings, database_url=database_url or own_database(settings, f"kb_eval_{name}"))
     queries, qrels, metadata = load_dataset_queries(dataset, split)
     source_id = f"beir-{name}"
     embedder = make_embedder(settings)
@@ -412,12 +427,11 @@ def evaluate_answer_dataset(settings, dataset: Path, groups: list[str], database
     kb_eval_answers_<name> database (or the one given), then scored with evaluate_answers."""
     import dataclasses
 
-    from pipelines.storage.database import connect, ensure_database
-    from pipelines.storage.database import database_url as server_url
+    from pipelines.storage.database import connect
 
     name = re.sub(r"[^a-z0-9]+", "_", dataset.resolve().name.lower())
-    settings = dataclasses.replace(settings, database_url=database_url or ensure_database(
-        server_url(settings), f"kb_eval_answers_{name}"))
+    settings = dataclasses.replace(settings, database_url=database_url or own_database(settings,
+                                                                                      f"kb_eval_answers_{name}"))
     cases = load_answer_set(dataset / "questions.jsonl")
     with connect(settings) as conn:
         summary = _ingest_corpus(conn, settings, f"answers-{name}", dataset / "corpus.jsonl", database_url, progress)
