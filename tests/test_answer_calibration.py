@@ -12,6 +12,7 @@ from test_answers import with_chat
 from pipelines.answers.answer import answer_question
 from pipelines.answers.asked import asked
 from pipelines.answers.calibration import MIN_CHUNKS, current
+from pipelines.answers.evidence import states_what_is_sought
 from pipelines.ingest.run import ingest
 from pipelines.retrieval.search import Filters
 from pipelines.sources.declarations import add_source, declare
@@ -92,6 +93,40 @@ def test_a_yes_no_question_gets_its_verdict_and_the_cited_sentence(newcomer_kb, 
     first = result["sentences"][0]
     assert first["text"].startswith("Yes, ") and first["citations"][0]["status"] != "INVALID"
     assert not result["removed"]  # the verdict is not dropped as a sentence that cites nothing
+
+
+def test_a_yes_no_question_is_answered_extractively_with_the_sentence_that_decides_it(newcomer_kb, embedder,
+                                                                                       settings, tmp_path):
+    """A report's aim repeats the question's words, so it ranked first (PubMedQA: 41% of answers opened with one;
+    bench/README.md) or joined the finding as its companion sentence, deciding nothing. The finding answers, cited;
+    a question after a colon is still a yes/no question."""
+    conn, _ = newcomer_kb
+    (tmp_path / "reports").mkdir()
+    (tmp_path / "reports" / "onboarding-pilot.md").write_text(
+        "# Remote onboarding pilot\n\nThe aim of this pilot was to find out whether remote onboarding shortens the"
+        " time to a new engineer's first merged change.\n\nForty engineers joined remotely and forty on site in"
+        " 2025, in the same teams.\n\nRemote onboarding did not shorten it: the median time to a first merged change"
+        " was nine days for remote joiners and eight days on site.\n")
+    add_source(conn, declare("reports", tmp_path / "reports"), "tests")
+    ingest(conn, embedder, settings)
+    result = answer_question(conn, settings, "Onboarding: does remote onboarding shorten the time to a first merged"
+                                             " change?")
+    assert result["asked"]["kind"] == "yes_no" and not result["abstained"], result["evidence"]
+    assert result["sentences"][0]["text"].startswith("Remote onboarding did not shorten it"), result["answer"]
+    assert "aim of this pilot" not in result["answer"]
+    assert result["sentences"][0]["citations"][0]["chunk_id"] in _chunks_of(conn, "onboarding-pilot.md")
+
+
+def test_what_was_sought_is_told_from_what_was_found():
+    sought = ["The purpose of this study was to determine whether or not flight impairs intubation.",
+              "Objective: to describe variation in the use of carotid endarterectomy.", "We sought to compare A and B.",
+              "It remains unclear whether the benefit persists."]
+    found = ["Yes, you can work abroad for up to 30 days a year.", "You may work abroad if your manager approves.",
+             "Ask your manager whether you can swap the week.", "Intubation success was lower in flight (p<0.05)."]
+    assert all(states_what_is_sought(s) for s in sought) and not any(states_what_is_sought(s) for s in found)
+    assert asked("Fast foods - are they a risk factor for asthma?").yes_no
+    assert asked("About my visa: can I work abroad?").yes_no
+    assert not asked("Time-to-market: how long does it take?").yes_no
 
 
 def test_a_caller_is_never_answered_with_a_fit_over_sources_it_cannot_read(conn, embedder, settings, tmp_path):

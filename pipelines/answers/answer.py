@@ -195,7 +195,7 @@ def answer_question(conn: psycopg.Connection, settings: Settings, question: str,
         sentences, unsupported = _supported(conn, _cited_sentences(reply, contexts), contexts, lexemes)
     else:
         asks = not message.yes_no and asks_for_value(message.question)
-        sentences, unsupported = _extract(pool, ranked, message.question if asks else None), []
+        sentences, unsupported = _extract(pool, ranked, message.question if asks else None, message.yes_no), []
         if not message.yes_no:  # from the first sentence that holds one
             result["short_answer"] = next(filter(None, (short_answer(message.question, s) for s, _ in sentences)), None)
     timings["generate_s"] = round(time.perf_counter() - started, 3)
@@ -344,19 +344,27 @@ def ranked_sentences(embedder, question_vector: np.ndarray, contexts: list[Conte
     return ev.score_candidates(candidates, embedder.embed([c.text for c in candidates]), question_vector)
 
 
-def _extract(pool: list[Context], ranked: list[ev.Candidate],
-             value_question: str | None = None) -> list[tuple[str, list[int]]]:
+def _extract(pool: list[Context], ranked: list[ev.Candidate], value_question: str | None = None,
+             yes_no: bool = False) -> list[tuple[str, list[int]]]:
     """A Q&A card that matches the question answers with its answer. Otherwise the best-scored sentence of the
     pool, and the next best of the same context when it scores nearly as well. `value_question`: the question, when
     it asks for a value only an entity gives (short_answer.asks_for_value: "when", "how many"...); then the answer
     is the best sentence near the top (within EXTRACT_MARGIN of the best) that, with its companion, holds such a
     value, and the best sentence as always when none does. (Refusing then was measured and taken back:
-    bench/README.md.)"""
+    bench/README.md.) `yes_no`: the question asks yes or no, and a sentence stating what was sought ("we asked
+    whether ...", "Objective: ...") repeats it without deciding it, so the best sentence that does not is taken,
+    from the best sentence's document when it has one there (the question's words point to it; its conclusion may
+    be another chunk), else from any, else the best as always. Whether kb answers at all is weighed on the best sentence as before (weigh)."""
     card = pool[0] if pool and pool[0].card_answer and (pool[0].similarity or 0) >= ev.CARD_MATCH else None
     if card is not None:
         return [(card.card_answer, [card.n])]
     numbers = {c.n for c in pool}
     ranked = [c for c in ranked if c.context in numbers]
+    if yes_no:
+        document = {c.n: c.document for c in pool}
+        deciding = [c for c in ranked if not ev.states_what_is_sought(c.text)]
+        ranked = ([c for c in deciding if document[c.context] == document[ranked[0].context]] or deciding
+                  or ranked)
     if not ranked:
         return []
 

@@ -22,6 +22,7 @@ _YES_NO = re.compile(r"^\W*(?:(?:and|but|so|also|then|now|please|ok|okay|well)\b
                      r"shouldn't|haven't|hasn't)\b", re.I)
 # The sentence before the question joins it when the question is short or points back ("Can I work from there?"
 # needs the sentence that says where "there" is).
+_LAST_CLAUSE = re.compile(r"[:;]\s+|\s+[-\u2013\u2014]+\s+")
 _SHORT_QUESTION_WORDS = 6
 _POINTS_BACK = re.compile(r"\b(?:it|its|there|this|that|these|those|they|them|their|he|she|him|her|so|such)\b", re.I)
 
@@ -39,6 +40,12 @@ class Asked:
         return "yes_no" if self.yes_no else "open"
 
 
+def _asks_yes_or_no(question: str) -> bool:
+    """The question, or its last clause after a colon or a dash ("Fast foods - are they a risk for asthma?",
+    "About my visa: can I work abroad?"), opens with an auxiliary or modal verb."""
+    return bool(_YES_NO.match(question) or _YES_NO.match(_LAST_CLAUSE.split(question)[-1]))
+
+
 def asked(message: str) -> Asked:
     """The question of a message: its last run of sentences ending in "?"; a message with no "?" is all question.
     The question's focus adds the sentence before it when the question is a few words or points back."""
@@ -46,7 +53,7 @@ def asked(message: str) -> Asked:
     sentences = split_sentences(text) if text else []
     asking = [n for n, s in enumerate(sentences) if s.rstrip(" )\"'").endswith("?")]
     if len(sentences) < 2 or not asking:
-        return Asked(message, text, "", bool(_YES_NO.match(text)), text)
+        return Asked(message, text, "", _asks_yes_or_no(text), text)
     last = first = asking[-1]
     while first - 1 in asking:
         first -= 1
@@ -54,5 +61,5 @@ def asked(message: str) -> Asked:
     start = first - 1 if first > 0 and (len(sentences[first].split()) < _SHORT_QUESTION_WORDS
                                         or _POINTS_BACK.search(sentences[first])) else first
     situation = " ".join(sentences[:first] + sentences[last + 1:])
-    return Asked(message, question, situation, any(_YES_NO.match(sentences[n]) for n in range(first, last + 1)),
+    return Asked(message, question, situation, any(_asks_yes_or_no(sentences[n]) for n in range(first, last + 1)),
                  " ".join(sentences[start:last + 1]))

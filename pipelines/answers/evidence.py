@@ -64,6 +64,16 @@ TEXT_LEXEMES = ("SELECT tsvector_to_array(kb_lexemes(t)) FROM unnest(%s::text[])
                 " ORDER BY n")
 _QUESTION_LINE = re.compile(r"^\s*(?:\*\*)?(?:Q|Question)\s*[:.)]", re.I)
 _ANSWER_LABEL = re.compile(r"^\s*(?:\*\*)?(?:A|Answer)\s*[:.)]\s*(?:\*\*)?\s*", re.I)
+# What a sentence says it set out to find, not what it found: a reported question ("to determine whether X", "it is
+# unclear if Y"), an aim ("the purpose of this study was to ...", "we sought to ...") or a line labelled as one
+# ("Objective: ..."). It shares most words with a yes/no question and so ranks first, yet decides nothing.
+# The verbs are a study's, not a help page's: "ask your manager whether ...", "your manager decides if ..." answer.
+_INQUIRY = (r"(?:determin|assess|evaluat|investigat|examin|test|explor|establish|ascertain|clarif|stud|compar|"
+            r"analy[sz]|unclear|unknown|uncertain|question)\w*")
+_SOUGHT = re.compile(rf"\b{_INQUIRY}\b(?:\s+[\w,-]+){{0,3}}?\s+(?:whether|if)\b"
+                     r"|\b(?:aims?|purposes?|objectives?|goals?)\b(?:\s+\S+){0,8}?\s+(?:is|was|were|are)\s+to\b"
+                     r"|\b(?:we|this\s+study|this\s+paper|this\s+report)\s+(?:sought|aimed|set\s+out|intended)\s+to\b"
+                     r"|^\W*(?:study\s+)?(?:aims?|purposes?|objectives?|goals?)\s*:", re.I)
 _TOKEN = re.compile(r"[A-Za-z0-9]+(?:[-_./#][A-Za-z0-9]+)*")
 _DIGITS = re.compile(r"\d+(?:[.,]\d+)*")
 
@@ -102,6 +112,12 @@ def _compact(token: str) -> str:
 def holds_code(text: str, code: str) -> bool:
     """The text holds the whole code as a token ("ERR-5012", not "ERR-7781"; "backtrace_functions", not "functions")."""
     return _compact(code) in {_compact(t) for t in _TOKEN.findall(text)}
+
+
+def states_what_is_sought(sentence: str) -> bool:
+    """The sentence states a question or an aim (_SOUGHT) rather than an answer: never the one that decides a yes/no
+    question, though it repeats its words."""
+    return _SOUGHT.search(sentence) is not None
 
 
 def is_question_sentence(sentence: str) -> bool:
