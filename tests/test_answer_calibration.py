@@ -122,7 +122,9 @@ def test_what_was_sought_is_told_from_what_was_found():
               "Objective: to describe variation in the use of carotid endarterectomy.", "We sought to compare A and B.",
               "It remains unclear whether the benefit persists."]
     found = ["Yes, you can work abroad for up to 30 days a year.", "You may work abroad if your manager approves.",
-             "Ask your manager whether you can swap the week.", "Intubation success was lower in flight (p<0.05)."]
+             "Ask your manager whether you can swap the week.", "Intubation success was lower in flight (p<0.05).",
+             "Finance checked whether team dinners are reimbursed: they are, up to 40 euros a head.",
+             "We tested whether the backup restores and found that it does."]
     assert all(states_what_is_sought(s) for s in sought) and not any(states_what_is_sought(s) for s in found)
     assert asked("Fast foods - are they a risk factor for asthma?").yes_no
     assert asked("About my visa: can I work abroad?").yes_no

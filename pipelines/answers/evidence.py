@@ -74,6 +74,7 @@ _SOUGHT = re.compile(rf"\b{_INQUIRY}\b(?:\s+[\w,-]+){{0,3}}?\s+(?:whether|if)\b"
                      r"|\b(?:aims?|purposes?|objectives?|goals?)\b(?:\s+\S+){0,8}?\s+(?:is|was|were|are)\s+to\b"
                      r"|\b(?:we|this\s+study|this\s+paper|this\s+report)\s+(?:sought|aimed|set\s+out|intended)\s+to\b"
                      r"|^\W*(?:study\s+)?(?:aims?|purposes?|objectives?|goals?)\s*:", re.I)
+_FOUND = re.compile(r"[;:\u2014]\s+\w|\b(?:found|showed|shown|revealed|concluded|confirmed)\b", re.I)
 _TOKEN = re.compile(r"[A-Za-z0-9]+(?:[-_./#][A-Za-z0-9]+)*")
 _DIGITS = re.compile(r"\d+(?:[.,]\d+)*")
 
@@ -116,8 +117,10 @@ def holds_code(text: str, code: str) -> bool:
 
 def states_what_is_sought(sentence: str) -> bool:
     """The sentence states a question or an aim (_SOUGHT) rather than an answer: never the one that decides a yes/no
-    question, though it repeats its words."""
-    return _SOUGHT.search(sentence) is not None
+    question, though it repeats its words. One that goes on to say what was found ("We tested whether it restores:
+    it does", "... and found that ...") answers."""
+    sought = _SOUGHT.search(sentence)
+    return sought is not None and _FOUND.search(sentence, sought.end()) is None
 
 
 def is_question_sentence(sentence: str) -> bool:
