@@ -1,6 +1,7 @@
 """`kb eval` on a small slice of SciFact (../shared/datasets), through the real pipeline and search."""
 
 import json
+import logging
 import re
 from pathlib import Path
 
@@ -133,7 +134,7 @@ def test_the_metrics_legend_sits_beside_the_bars_not_over_them():
     assert not legend.overlaps(axis.get_window_extent())
 
 
-def test_kb_eval_brings_its_own_database_to_this_kb_s_schema(settings, server_url, tmp_path):
+def test_kb_eval_brings_its_own_database_to_this_kb_s_schema(settings, server_url, tmp_path, caplog):
     """`kb eval --answers FOLDER` keeps the folder in a database of its own; after an upgrade of kb that database was
     behind, and every later run stopped with "run `kb migrate`", which migrates the knowledge base's database, not
     that one ('nothing to migrate'). kb eval migrates the database it owns."""
@@ -155,8 +156,10 @@ def test_kb_eval_brings_its_own_database_to_this_kb_s_schema(settings, server_ur
     try:
         with psycopg.connect(url, autocommit=True) as raw:
             migrate(raw, _migrations_through(tmp_path, 13))  # as an older kb left it
-        run = CliRunner().invoke(main, ["eval", "--answers", str(folder), "--json"])
+        with caplog.at_level(logging.WARNING):
+            run = CliRunner().invoke(main, ["eval", "--answers", str(folder), "--json"])
         assert run.exit_code == 0, run.output
+        assert f"bringing its database {dbname} to this kb's schema (10 files: 014_compact_postings.sql" in caplog.text
         assert json.loads(run.stdout)["answers"]["ingest"]["documents_new"] == 1
         with psycopg.connect(url, autocommit=True) as raw:
             assert pending(raw) == []

@@ -7,6 +7,7 @@ recip_rank over the top 10, plus nDCG@10 and recall@100. A document's rank is it
 from __future__ import annotations
 
 import json
+import logging
 import re
 import statistics
 import time
@@ -19,6 +20,7 @@ import psycopg
 from pipelines.models.embedders import Embedder
 from pipelines.retrieval.search import Filters, search
 
+log = logging.getLogger(__name__)
 METRICS = ("hit@1", "hit@5", "hit@10", "mrr@10", "ndcg@10", "recall@100")
 CHUNKS_PER_QUERY = 300  # enough chunks to rank 100 distinct documents
 
@@ -228,7 +230,9 @@ def own_database(settings, dbname: str) -> str:
     from pipelines.storage.database import ensure_database, upgrade_schema
 
     url = ensure_database(server_url(settings), dbname)
-    upgrade_schema(dataclasses.replace(settings, database_url=url))
+    upgrade_schema(dataclasses.replace(settings, database_url=url), before=lambda conn, files: log.warning(
+        "kb eval: bringing its database %s to this kb's schema (%d files: %s)", dbname, len(files),
+        ", ".join(f.name for f in files)))
     return url
 
 
