@@ -9,10 +9,10 @@ import pytest
 from fake_openai import FakeOpenAI, scripted_chat
 from test_answers import with_chat
 
-from pipelines.answers.answer import answer_question
+from pipelines.answers.answer import EXTRACT_MARGIN, Context, _extract, answer_question
 from pipelines.answers.asked import asked
 from pipelines.answers.calibration import MIN_CHUNKS, current
-from pipelines.answers.evidence import states_what_is_sought
+from pipelines.answers.evidence import Candidate, states_what_is_sought
 from pipelines.ingest.run import ingest
 from pipelines.retrieval.search import Filters
 from pipelines.sources.declarations import add_source, declare
@@ -117,18 +117,58 @@ def test_a_yes_no_question_is_answered_extractively_with_the_sentence_that_decid
     assert result["sentences"][0]["citations"][0]["chunk_id"] in _chunks_of(conn, "onboarding-pilot.md")
 
 
-def test_what_was_sought_is_told_from_what_was_found():
-    sought = ["The purpose of this study was to determine whether or not flight impairs intubation.",
-              "Objective: to describe variation in the use of carotid endarterectomy.", "We sought to compare A and B.",
-              "It remains unclear whether the benefit persists."]
-    found = ["Yes, you can work abroad for up to 30 days a year.", "You may work abroad if your manager approves.",
-             "Ask your manager whether you can swap the week.", "Intubation success was lower in flight (p<0.05).",
-             "Finance checked whether team dinners are reimbursed: they are, up to 40 euros a head.",
-             "We tested whether the backup restores and found that it does."]
-    assert all(states_what_is_sought(s) for s in sought) and not any(states_what_is_sought(s) for s in found)
-    assert asked("Fast foods - are they a risk factor for asthma?").yes_no
-    assert asked("About my visa: can I work abroad?").yes_no
-    assert not asked("Time-to-market: how long does it take?").yes_no
+SOUGHT = ["The purpose of this study was to determine whether or not flight impairs intubation.",
+          "Objective: To describe variation in the use of carotid endarterectomy.", "We sought to compare A and B.",
+          "It remains unclear whether the benefit persists.", "We examined whether X causes Y: a randomized trial.",
+          "This study aimed to determine whether X causes Y in 2020: 40 patients.",
+          "Objective \u2014 to decide whether X helps.",
+          "The objective of the current study is to determine how X grew.",
+          "To test if the drug works, we randomized 40 patients.", "However, it remains unknown if they predict death."]
+FOUND = ["Yes, you can work abroad for up to 30 days a year.", "You may work abroad if your manager approves.",
+         "Ask your manager whether you can swap the week.", "Intubation success was lower in flight (p<0.05).",
+         "Finance checked whether team dinners are reimbursed: they are, up to 40 euros a head.",
+         "We tested whether the backup restores and found that it does.",
+         "Yes, analysts can work remotely if their manager agrees.", "Study leave is granted if your manager approves.",
+         "Test accounts are deleted if unused for 30 days.", "Testers decide if a release ships.",
+         "The purpose of this policy is to allow remote work for up to 30 days a year.",
+         "Our aim is to reimburse all reasonable travel costs.", "Goal: all employees may work remotely on Fridays.",
+         "Purpose: This policy allows employees to work abroad.",
+         "We tested whether the backup restores \u2013 it does.",
+         "It is unclear whether contractors are covered, so they are not covered.",
+         "Prevalence would not be adequately assessed if terminations are not included."]
+
+
+@pytest.mark.parametrize("sentence", SOUGHT)
+def test_a_sentence_stating_what_was_sought_is_told(sentence):
+    assert states_what_is_sought(sentence)
+
+
+@pytest.mark.parametrize("sentence", FOUND)
+def test_a_sentence_that_answers_is_not_taken_for_what_was_sought(sentence):
+    assert not states_what_is_sought(sentence)
+
+
+@pytest.mark.parametrize("question, yes_no", [
+    ("Fast foods - are they a risk factor for asthma?", True), ("About my visa: can I work abroad?", True),
+    ("Time-to-market: how long does it take?", False), ("What does 'fatal: could not read Username' mean?", False),
+    ("Error: can't connect, what now?", False), ("Laptop - won't boot, how do I fix it?", False)])
+def test_a_yes_no_question_after_a_colon_or_a_dash_is_one(question, yes_no):
+    assert asked(question).yes_no is yes_no
+
+
+def test_the_deciding_sentence_comes_from_the_questions_document_unless_another_says_much_more():
+    """The aim (context 1) ranks first; its document's finding is another chunk (context 2). Another document's
+    sentence (context 3) wins only when it scores more than EXTRACT_MARGIN above that finding."""
+    pool = [Context(1, 1, "r:pilot.md", "", "", 0.7), Context(2, 2, "r:pilot.md", "", "", 0.6),
+            Context(3, 3, "r:other.md", "", "", 0.6)]
+    aim = Candidate("The aim of this pilot was to find out whether remote onboarding is faster.", 1, score=6.0)
+    finding = Candidate("Remote onboarding was not faster: nine days against eight.", 2, score=4.0)
+    near, far = finding.score + EXTRACT_MARGIN - 0.1, finding.score + EXTRACT_MARGIN + 0.1
+    for other, chosen in ((near, finding), (far, None)):
+        elsewhere = Candidate("Onboarding is remote for every new engineer.", 3, score=other)
+        expected = chosen or elsewhere
+        assert _extract(pool, [aim, elsewhere, finding], yes_no=True) == [(expected.text, [expected.context])]
+    assert _extract(pool, [aim, finding], yes_no=False)[0][0] == aim.text  # not yes/no: the best sentence
 
 
 def test_a_caller_is_never_answered_with_a_fit_over_sources_it_cannot_read(conn, embedder, settings, tmp_path):

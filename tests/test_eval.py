@@ -134,10 +134,23 @@ def test_the_metrics_legend_sits_beside_the_bars_not_over_them():
     assert not legend.overlaps(axis.get_window_extent())
 
 
+def _answer_folder(parent: Path, name: str) -> Path:
+    folder = parent / name
+    folder.mkdir()
+    (folder / "corpus.jsonl").write_text(json.dumps({"_id": "leave", "title": "Leave", "text":
+                                                     "Parental leave is twenty weeks, paid in full."}) + "\n")
+    (folder / "questions.jsonl").write_text(json.dumps({"question": "How long is parental leave?",
+                                                        "answers": ["twenty weeks"], "passages": ["leave"]}) + "\n")
+    return folder
+
+
 def test_kb_eval_brings_its_own_database_to_this_kb_s_schema(settings, server_url, tmp_path, caplog):
     """`kb eval --answers FOLDER` keeps the folder in a database of its own; after an upgrade of kb that database was
     behind, and every later run stopped with "run `kb migrate`", which migrates the knowledge base's database, not
-    that one ('nothing to migrate'). kb eval migrates the database it owns."""
+    that one ('nothing to migrate'). kb eval migrates the database it owns, and says so; a database given with
+    --database-url is the user's: never migrated, and the line says how to migrate it."""
+    import uuid
+
     import psycopg
     from psycopg import sql
 
@@ -145,24 +158,37 @@ def test_kb_eval_brings_its_own_database_to_this_kb_s_schema(settings, server_ur
     from pipelines.storage.migrations import migrate, pending
     from tests.test_migrations import _migrations_through
 
-    folder = tmp_path / f"upgraded_{tmp_path.name}"
-    folder.mkdir()
-    (folder / "corpus.jsonl").write_text(json.dumps({"_id": "leave", "title": "Leave", "text":
-                                                     "Parental leave is twenty weeks, paid in full."}) + "\n")
-    (folder / "questions.jsonl").write_text(json.dumps({"question": "How long is parental leave?",
-                                                        "answers": ["twenty weeks"], "passages": ["leave"]}) + "\n")
-    dbname = "kb_eval_answers_" + re.sub(r"[^a-z0-9]+", "_", folder.name.lower())
-    url = ensure_database(server_url, dbname)
+    tag = uuid.uuid4().hex[:12]  # a database left by a killed run never meets the next one
+    behind, fresh, given = (_answer_folder(tmp_path, f"{kind}_{tag}") for kind in ("behind", "fresh", "given"))
+    names = {folder: "kb_eval_answers_" + folder.name for folder in (behind, fresh)}
+    urls = {folder: ensure_database(server_url, name) for folder, name in names.items()}
+    given_url = ensure_database(server_url, f"kb_given_{tag}")
     try:
-        with psycopg.connect(url, autocommit=True) as raw:
-            migrate(raw, _migrations_through(tmp_path, 13))  # as an older kb left it
+        older = _migrations_through(tmp_path, 13)
+        for url in (urls[behind], given_url):
+            with psycopg.connect(url, autocommit=True) as raw:
+                migrate(raw, older)  # as an older kb left it
+                todo = [item.name for item in pending(raw)]
         with caplog.at_level(logging.WARNING):
-            run = CliRunner().invoke(main, ["eval", "--answers", str(folder), "--json"])
+            run = CliRunner().invoke(main, ["eval", "--answers", str(behind), "--json"])
         assert run.exit_code == 0, run.output
-        assert f"bringing its database {dbname} to this kb's schema (10 files: 014_compact_postings.sql" in caplog.text
+        assert (f"bringing its database {names[behind]} to this kb's schema ({len(todo)} files: {todo[0]}"
+                in caplog.text)
         assert json.loads(run.stdout)["answers"]["ingest"]["documents_new"] == 1
-        with psycopg.connect(url, autocommit=True) as raw:
+        with psycopg.connect(urls[behind], autocommit=True) as raw:
             assert pending(raw) == []
+
+        caplog.clear()
+        with caplog.at_level(logging.WARNING):
+            first = CliRunner().invoke(main, ["eval", "--answers", str(fresh), "--json"])
+        assert first.exit_code == 0 and "bringing" not in caplog.text  # a new database is installed, not announced
+
+        refused = CliRunner().invoke(main, ["eval", "--answers", str(given), "--database-url", given_url])
+        assert refused.exit_code == 2 and refused.output.count("\n") == 1, refused.output
+        assert "run `kb migrate`" in refused.output and "with DATABASE_URL set to it" in refused.output
+        with psycopg.connect(given_url, autocommit=True) as raw:
+            assert [item.name for item in pending(raw)] == todo  # the user's database: nothing migrated
     finally:
         with psycopg.connect(server_url, autocommit=True) as admin:
-            admin.execute(sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(dbname)))
+            for name in [*names.values(), f"kb_given_{tag}"]:
+                admin.execute(sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(name)))

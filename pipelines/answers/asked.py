@@ -22,7 +22,8 @@ _YES_NO = re.compile(r"^\W*(?:(?:and|but|so|also|then|now|please|ok|okay|well)\b
                      r"shouldn't|haven't|hasn't)\b", re.I)
 # The sentence before the question joins it when the question is short or points back ("Can I work from there?"
 # needs the sentence that says where "there" is).
-_LAST_CLAUSE = re.compile(r"[:;]\s+|\s+[-\u2013\u2014]+\s+")
+_LAST_CLAUSE = re.compile(r"[:;]\s|\s[-\u2013\u2014]+\s")
+_WH = re.compile(r"\b(?:what|why|how|when|where|who|whom|whose|which)\b", re.I)
 _SHORT_QUESTION_WORDS = 6
 _POINTS_BACK = re.compile(r"\b(?:it|its|there|this|that|these|those|they|them|their|he|she|him|her|so|such)\b", re.I)
 
@@ -41,9 +42,11 @@ class Asked:
 
 
 def _asks_yes_or_no(question: str) -> bool:
-    """The question, or its last clause after a colon or a dash ("Fast foods - are they a risk for asthma?",
-    "About my visa: can I work abroad?"), opens with an auxiliary or modal verb."""
-    return bool(_YES_NO.match(question) or _YES_NO.match(_LAST_CLAUSE.split(question)[-1]))
+    """The question opens with an auxiliary or modal verb, or its last clause after a colon or a dash does ("Fast
+    foods - are they a risk for asthma?", "About my visa: can I work abroad?") and no wh-word asks anything in it
+    ("What does 'fatal: could not read Username' mean?", "Error: can't connect, what now?" ask what)."""
+    return bool(_YES_NO.match(question)
+                or (_YES_NO.match(_LAST_CLAUSE.split(question)[-1]) and not _WH.search(question)))
 
 
 def asked(message: str) -> Asked:

@@ -65,16 +65,32 @@ TEXT_LEXEMES = ("SELECT tsvector_to_array(kb_lexemes(t)) FROM unnest(%s::text[])
 _QUESTION_LINE = re.compile(r"^\s*(?:\*\*)?(?:Q|Question)\s*[:.)]", re.I)
 _ANSWER_LABEL = re.compile(r"^\s*(?:\*\*)?(?:A|Answer)\s*[:.)]\s*(?:\*\*)?\s*", re.I)
 # What a sentence says it set out to find, not what it found: a reported question ("to determine whether X", "it is
-# unclear if Y"), an aim ("the purpose of this study was to ...", "we sought to ...") or a line labelled as one
-# ("Objective: ..."). It shares most words with a yes/no question and so ranks first, yet decides nothing.
-# The verbs are a study's, not a help page's: "ask your manager whether ...", "your manager decides if ..." answer.
-_INQUIRY = (r"(?:determin|assess|evaluat|investigat|examin|test|explor|establish|ascertain|clarif|stud|compar|"
-            r"analy[sz]|unclear|unknown|uncertain|question)\w*")
-_SOUGHT = re.compile(rf"\b{_INQUIRY}\b(?:\s+[\w,-]+){{0,3}}?\s+(?:whether|if)\b"
-                     r"|\b(?:aims?|purposes?|objectives?|goals?)\b(?:\s+\S+){0,8}?\s+(?:is|was|were|are)\s+to\b"
-                     r"|\b(?:we|this\s+study|this\s+paper|this\s+report)\s+(?:sought|aimed|set\s+out|intended)\s+to\b"
-                     r"|^\W*(?:study\s+)?(?:aims?|purposes?|objectives?|goals?)\s*:", re.I)
-_FOUND = re.compile(r"[;:\u2014]\s+\w|\b(?:found|showed|shown|revealed|concluded|confirmed)\b", re.I)
+# unclear whether Y"), a study's aim ("the purpose of this study was to ...", "we sought to ...") or a line labelled
+# as one ("Objective: To assess ..."). It shares most words with a yes/no question and so ranks first, yet decides
+# nothing. The verbs are a study's, in their verb forms only ("analysts", "Study leave", "Test accounts" are not);
+# "if" counts right after one with "to" or "we" ("to test if"), never as a condition ("assessed if X is missing");
+# an aim is a study's, paper's or report's, or one of finding out ("The purpose of this policy is to allow remote
+# work" answers).
+_STUDIES = r"(?:study|studies|paper|report|trial|survey|review|research|work|project|pilot|analysis|experiment)"
+_INQUIRY = (r"(?:determine[sd]?|determining|assess(?:e[sd])?|assessing|evaluate[sd]?|evaluating|investigate[sd]?|"
+            r"investigating|examine[sd]?|examining|test(?:s|ed)?|testing|explore[sd]?|exploring|establish(?:e[sd])?|"
+            r"establishing|ascertain(?:s|ed)?|ascertaining|clarify|clarified|clarifying|study|studied|studying)")
+_SOUGHT = re.compile(
+    rf"\b{_INQUIRY}\b(?:\s+[\w,-]+){{0,3}}?\s+whether\b|\b(?:to|we)\s+{_INQUIRY}\s+if\b"
+    r"|\b(?:unclear|unknown|uncertain|not\s+known|question\s+(?:of\s+)?)\s*(?:whether|if)\b"
+    rf"|\b(?:aims?|purposes?|objectives?|goals?)\s+of\s+(?:this|the|our|that|these)\s+(?:\w+\s+)?{_STUDIES}s?\b"
+    r"(?:\s+\S+){0,4}?\s+(?:is|was|were|are)\s+to\b"
+    rf"|\b(?:aims?|purposes?|objectives?|goals?)\s+(?:is|was|were|are)\s+to\s+{_INQUIRY}\b"
+    rf"|\b(?:we|(?:this|the|our)\s+(?:\w+\s+)?{_STUDIES})\s+(?:sought|aimed|aims|seeks|set\s+out|intended)\s+to\b"
+    rf"|\b(?:this|the|our)\s+(?:\w+\s+)?{_STUDIES}\s+(?:is|was)\s+(?:performed|conducted|designed|undertaken)\s+to\b"
+    rf"|^\W*(?:study\s+)?(?:aims?|purposes?|objectives?|goals?)\s*[:\u2013\u2014-]\s*"
+    rf"(?:to\s+\w+|we\b|(?:this|the)\s+{_STUDIES}\b)"
+    rf"|^\W*[A-Za-z ]{{2,30}}:\s*(?:\(\w+\)\s*)?to\s+{_INQUIRY}\b",
+    re.I)
+# ... unless it goes on to say what was found: "We tested whether it restores: it does", "..., and it was".
+_FOUND = re.compile(r"(?:[;:]|\s[-\u2013\u2014]+|,\s*(?:and|but|so))\s+(?:it|they|there|we|he|she|yes|no)\b"
+                    r"|\b(?:found|showed|revealed|concluded|confirmed)\s+that\b", re.I)
+_YES_OR_NO_FIRST = re.compile(r"^\W*(?:yes|no)\b", re.I)
 _TOKEN = re.compile(r"[A-Za-z0-9]+(?:[-_./#][A-Za-z0-9]+)*")
 _DIGITS = re.compile(r"\d+(?:[.,]\d+)*")
 
@@ -119,6 +135,8 @@ def states_what_is_sought(sentence: str) -> bool:
     """The sentence states a question or an aim (_SOUGHT) rather than an answer: never the one that decides a yes/no
     question, though it repeats its words. One that goes on to say what was found ("We tested whether it restores:
     it does", "... and found that ...") answers."""
+    if _YES_OR_NO_FIRST.match(sentence):
+        return False
     sought = _SOUGHT.search(sentence)
     return sought is not None and _FOUND.search(sentence, sought.end()) is None
 

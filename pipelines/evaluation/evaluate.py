@@ -6,6 +6,7 @@ recip_rank over the top 10, plus nDCG@10 and recall@100. A document's rank is it
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import re
@@ -224,16 +225,36 @@ def own_database(settings, dbname: str) -> str:
     (`kb migrate` upgrades the knowledge base's database, never these, so a schema left behind by an older kb
     stopped every later `kb eval` of that dataset with advice that did not help.) A database given with
     --database-url is the user's and is never migrated by `kb eval`."""
-    import dataclasses
-
     from pipelines.storage.database import database_url as server_url
     from pipelines.storage.database import ensure_database, upgrade_schema
+    from pipelines.storage.migrations import is_installed
+
+    def said(conn, files) -> None:
+        if is_installed(conn):  # a new database is installed silently: every first run would warn
+            log.warning("kb eval: bringing its database %s to this kb's schema (%d files: %s)", dbname, len(files),
+                        ", ".join(f.name for f in files))
 
     url = ensure_database(server_url(settings), dbname)
-    upgrade_schema(dataclasses.replace(settings, database_url=url), before=lambda conn, files: log.warning(
-        "kb eval: bringing its database %s to this kb's schema (%d files: %s)", dbname, len(files),
-        ", ".join(f.name for f in files)))
+    upgrade_schema(dataclasses.replace(settings, database_url=url), before=said)
     return url
+
+
+def evaluation_settings(settings, dbname: str, given: str | None):
+    """The settings of the database an evaluation runs in: its own `dbname` (own_database), or the one given with
+    --database-url, which kb eval installs kb's schema in when it is empty and never migrates. (`kb migrate` reads
+    DATABASE_URL, so a given database that is behind is said to need it run with DATABASE_URL set to that one.)"""
+    from pipelines.storage.database import SchemaNotReady, connect
+
+    if given is None:
+        return dataclasses.replace(settings, database_url=own_database(settings, dbname))
+    settings = dataclasses.replace(settings, database_url=given)
+    try:
+        with connect(settings):
+            pass
+    except SchemaNotReady as exc:
+        raise SchemaNotReady(f"{exc} (for the database given with --database-url: with DATABASE_URL set to it)"
+                             ) from None
+    return settings
 
 
 def evaluate_dataset(settings, dataset: Path, split: str | None = None, database_url: str | None = None,
@@ -242,15 +263,13 @@ def evaluate_dataset(settings, dataset: Path, split: str | None = None, database
     given) and evaluate every configuration on its queries. In kb_eval_<name>, which is the evaluation's own, the
     source follows the dataset's location; in a database given with --database-url a source declared there is
     never changed: one at another location is refused."""
-    import dataclasses
-
     from pipelines.models.embedders import make_embedder
     from pipelines.storage.database import connect
     from pipelines.storage.status import ingest_statistics
 
     name = re.sub(r"[^a-z0-9]+", "_", dataset.resolve().name.lower())
     split = check_dataset(dataset, split)
-    settings = dataclasses.replace(settings, database_url=database_url or own_database(settings, f"kb_eval_{name}"))
+    settings = evaluation_settings(settings, f"kb_eval_{name}", database_url)
     queries, qrels, metadata = load_dataset_queries(dataset, split)
     source_id = f"beir-{name}"
     embedder = make_embedder(settings)
@@ -429,13 +448,10 @@ def evaluate_answer_dataset(settings, dataset: Path, groups: list[str], database
                             hyde: bool = False, compress: bool = False, progress=None) -> dict:
     """An answer dataset folder (corpus.jsonl + questions.jsonl) ingested as source `answers-<name>` into its own
     kb_eval_answers_<name> database (or the one given), then scored with evaluate_answers."""
-    import dataclasses
-
     from pipelines.storage.database import connect
 
     name = re.sub(r"[^a-z0-9]+", "_", dataset.resolve().name.lower())
-    settings = dataclasses.replace(settings, database_url=database_url or own_database(settings,
-                                                                                      f"kb_eval_answers_{name}"))
+    settings = evaluation_settings(settings, f"kb_eval_answers_{name}", database_url)
     cases = load_answer_set(dataset / "questions.jsonl")
     with connect(settings) as conn:
         summary = _ingest_corpus(conn, settings, f"answers-{name}", dataset / "corpus.jsonl", database_url, progress)

@@ -361,10 +361,14 @@ def describe_lost_connection(error: psycopg.OperationalError, settings: Settings
 
 
 def ensure_database(server_url: str, dbname: str) -> str:
-    """Create `dbname` on the server if missing; returns its URL (used by `kb eval` for its own database)."""
+    """Create `dbname` on the server if missing; returns its URL (used by `kb eval` for its own database). Two
+    processes creating it at once both succeed: the one that loses the race finds it made."""
     with psycopg.connect(server_url, autocommit=True) as admin:
         if admin.execute("SELECT 1 FROM pg_database WHERE datname = %s", (dbname,)).fetchone() is None:
-            admin.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(dbname)))
+            try:
+                admin.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(dbname)))
+            except (psycopg.errors.DuplicateDatabase, psycopg.errors.UniqueViolation):
+                pass  # created by another process between the check and the create
     info = psycopg.conninfo.conninfo_to_dict(server_url)
     info["dbname"] = dbname
     return psycopg.conninfo.make_conninfo(**info)
