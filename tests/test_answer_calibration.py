@@ -9,7 +9,7 @@ import pytest
 from fake_openai import FakeOpenAI, scripted_chat
 from test_answers import with_chat
 
-from pipelines.answers.answer import EXTRACT_MARGIN, Context, _extract, answer_question
+from pipelines.answers.answer import Context, _extract, answer_question
 from pipelines.answers.asked import asked
 from pipelines.answers.calibration import MIN_CHUNKS, current
 from pipelines.answers.evidence import Candidate, states_what_is_sought
@@ -156,18 +156,18 @@ def test_a_yes_no_question_after_a_colon_or_a_dash_is_one(question, yes_no):
     assert asked(question).yes_no is yes_no
 
 
-def test_the_deciding_sentence_comes_from_the_questions_document_unless_another_says_much_more():
-    """The aim (context 1) ranks first; its document's finding is another chunk (context 2). Another document's
-    sentence (context 3) wins only when it scores more than EXTRACT_MARGIN above that finding."""
+def test_the_deciding_sentence_comes_from_the_questions_document():
+    """The aim (context 1) ranks first; its document's finding is another chunk (context 2): it answers, though a
+    sentence of another document (context 3) scores higher (letting that one win cited the wrong PubMed abstract more
+    often). With no other sentence of the aim's document at hand, the best one of any document answers."""
     pool = [Context(1, 1, "r:pilot.md", "", "", 0.7), Context(2, 2, "r:pilot.md", "", "", 0.6),
             Context(3, 3, "r:other.md", "", "", 0.6)]
     aim = Candidate("The aim of this pilot was to find out whether remote onboarding is faster.", 1, score=6.0)
     finding = Candidate("Remote onboarding was not faster: nine days against eight.", 2, score=4.0)
-    near, far = finding.score + EXTRACT_MARGIN - 0.1, finding.score + EXTRACT_MARGIN + 0.1
-    for other, chosen in ((near, finding), (far, None)):
-        elsewhere = Candidate("Onboarding is remote for every new engineer.", 3, score=other)
-        expected = chosen or elsewhere
-        assert _extract(pool, [aim, elsewhere, finding], yes_no=True) == [(expected.text, [expected.context])]
+    elsewhere = Candidate("Onboarding is remote for every new engineer.", 3, score=5.5)
+    assert _extract(pool, [aim, elsewhere, finding], yes_no=True) == [(finding.text, [2])]
+    assert _extract(pool, [aim, elsewhere], yes_no=True) == [(elsewhere.text, [3])]
+    assert _extract(pool, [aim], yes_no=True) == [(aim.text, [1])]  # nothing else: the best as always
     assert _extract(pool, [aim, finding], yes_no=False)[0][0] == aim.text  # not yes/no: the best sentence
 
 

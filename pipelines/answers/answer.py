@@ -353,9 +353,9 @@ def _extract(pool: list[Context], ranked: list[ev.Candidate], value_question: st
     value, and the best sentence as always when none does. (Refusing then was measured and taken back:
     bench/README.md.) `yes_no`: the question asks yes or no, and a sentence stating what was sought ("we asked
     whether ...", "Objective: ...") repeats it without deciding it, so the best sentence that does not is taken:
-    from the best sentence's document (the question's words point to it; its conclusion may be another chunk)
-    unless another document's scores more than EXTRACT_MARGIN above it; the best as always when every sentence
-    states what was sought. Whether kb answers at all is weighed on the best sentence as before (weigh)."""
+    from the best sentence's document (the question's words point to it; its conclusion may be another chunk), else
+    from any, else the best as always. (Letting another document's sentence win when it scored more than
+    EXTRACT_MARGIN above was measured: it cited the wrong document more often, bench/README.md.) Whether kb answers at all is weighed on the best sentence as before (weigh)."""
     card = pool[0] if pool and pool[0].card_answer and (pool[0].similarity or 0) >= ev.CARD_MATCH else None
     if card is not None:
         return [(card.card_answer, [card.n])]
@@ -364,10 +364,7 @@ def _extract(pool: list[Context], ranked: list[ev.Candidate], value_question: st
     if yes_no:
         document = {c.n: c.document for c in pool}
         deciding = [c for c in ranked if not ev.states_what_is_sought(c.text)]
-        same = [c for c in deciding if document[c.context] == document[ranked[0].context]]
-        if same and deciding[0].score <= same[0].score + EXTRACT_MARGIN:
-            deciding = same
-        ranked = deciding or ranked
+        ranked = [c for c in deciding if document[c.context] == document[ranked[0].context]] or deciding or ranked
     if not ranked:
         return []
 
