@@ -395,3 +395,28 @@ def test_the_dagster_migrate_job_upgrades_a_behind_schema(settings, tmp_path, in
     assert result.success and result.output_for_node("kb_migrate_schema") == todo
     logged = [entry.user_message for entry in instance.all_logs(result.run_id)]
     assert any(message.startswith("estimate: ") for message in logged) and _applied(settings)[-1] == migration_files()[-1][0]
+
+
+def test_the_lock_holder_named_is_the_one_in_this_database(settings, server_url):
+    """PostgreSQL's advisory locks are per database: a `kb eval` migrating its own database on the same server holds
+    kb's lock there too. The line named whichever holder pg_locks listed first, maybe that one."""
+    import uuid
+
+    from psycopg import sql
+
+    from pipelines.storage.database import ensure_database
+    from pipelines.storage.migrations import _LOCK_ID
+
+    other = f"kb_other_{uuid.uuid4().hex[:12]}"
+    url = ensure_database(server_url, other)
+    try:
+        with psycopg.connect(url, autocommit=True, application_name="kb eval elsewhere") as elsewhere, \
+                psycopg.connect(settings.database_url, autocommit=True, application_name="a migration") as here:
+            elsewhere.execute("SELECT pg_advisory_lock(%s)", (_LOCK_ID,))
+            here.execute("SELECT pg_advisory_lock(%s)", (_LOCK_ID,))
+            run = kb("migrate", "--wait", "0.2")
+            assert run.exit_code == 2, run.output
+            assert f"held by PostgreSQL backend {here.info.backend_pid} (application 'a migration'" in run.output
+    finally:
+        with psycopg.connect(server_url, autocommit=True) as admin:
+            admin.execute(sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(other)))

@@ -171,7 +171,8 @@ def _lock_holder(conn: psycopg.Connection) -> str:
         "SELECT a.pid, a.application_name, coalesce(host(a.client_addr), 'a local socket'),"
         " to_char(a.backend_start, 'YYYY-MM-DD HH24:MI:SS TZ'), a.state, left(a.query, 120)"
         " FROM pg_locks l JOIN pg_stat_activity a ON a.pid = l.pid"
-        " WHERE l.locktype = 'advisory' AND l.granted AND l.classid = 0 AND l.objid::bigint = %s AND l.objsubid = 1",
+        " WHERE l.locktype = 'advisory' AND l.granted AND l.classid = 0 AND l.objid::bigint = %s AND l.objsubid = 1"
+        " AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())",  # locks are per database
         (_LOCK_ID,)).fetchone()
     if row is None:
         return "another session (gone by now)"
