@@ -52,7 +52,6 @@ PROMPT = ("Answer the question using only the numbered contexts below. After eve
 # A yes/no question: the verdict first, then the conditions it depends on, each sentence cited as always.
 YES_NO_PROMPT = ("\n\nThe question asks yes or no: begin with Yes or No, then give the conditions it depends on and"
                  " the sentence of the contexts that decides it, citing it.")
-YES_OR_NO = re.compile(r"^\W*(yes|no)\b[\s,.:;!-]*", re.I)
 HYDE_PROMPT = "Write a short passage, two or three sentences, that answers this question: {question}"
 CITATION = re.compile(r"\[(\d+(?:\s*,\s*\d+)*)\]")
 # A run of citation marks: "[1]", "[1, 2]", "[1][2]", "[1], [2] and [3]" (a model copying the prompt's "[1], [2]").
@@ -190,7 +189,7 @@ def answer_question(conn: psycopg.Connection, settings: Settings, question: str,
             timings["generate_s"] = round(time.perf_counter() - started, 3)
             return _abstain(result, contexts, "the model found no answer in the contexts")
         reply = without_labels(reply)
-        if message.yes_no and (verdict := YES_OR_NO.match(reply)):
+        if message.yes_no and (verdict := ev.YES_OR_NO.match(reply)):
             result["yes_no"] = verdict.group(1).lower()
         sentences, unsupported = _supported(conn, _cited_sentences(reply, contexts), contexts, lexemes)
     else:
@@ -388,7 +387,7 @@ def _supported(conn: psycopg.Connection, sentences: list[tuple[str, list[int]]],
     number, or every number copied from the prompt, is dropped; a sentence no cited context says is removed."""
     by_number = {c.n: c for c in contexts}
     context_lexemes = {c.n: set().union(lexemes[c.section], *(lexemes[s] for s in c.sentences)) for c in contexts}
-    claims = ev.lexemes(conn, [YES_OR_NO.sub("", text) for text, _ in sentences])  # a verdict is not a claim
+    claims = ev.lexemes(conn, [ev.YES_OR_NO.sub("", text) for text, _ in sentences])  # a verdict is not a claim
     kept, removed = [], []
     for (text, numbers), claim in zip(sentences, claims):
         if not numbers or any(n not in by_number for n in numbers):
@@ -409,7 +408,7 @@ def _cited_sentences(reply: str, contexts: list[Context]) -> list[tuple[str, lis
     for sentence in split_sentences(AFTER_THE_STOP.sub(r"\2\1", reply)):
         numbers = [int(n) for group in CITATION.findall(sentence) for n in group.split(",")]
         text = CITATIONS.sub("", sentence).strip()
-        if not numbers and YES_OR_NO.fullmatch(text):  # "Yes." alone: the verdict of the sentence that follows
+        if not numbers and ev.YES_OR_NO.fullmatch(text):  # "Yes." alone: the verdict of the sentence that follows
             verdict = text.rstrip(" .!") + ", "
         elif text:
             sentences.append((verdict + text, numbers))

@@ -90,7 +90,8 @@ _SOUGHT = re.compile(
 # ... unless it goes on to say what was found: "We tested whether it restores: it does", "..., and it was".
 _FOUND = re.compile(r"(?:[;:]|\s[-\u2013\u2014]+|,\s*(?:and|but|so))\s+(?:it|they|there|we|he|she|yes|no)\b"
                     r"|\b(?:found|showed|revealed|concluded|confirmed)\s+that\b", re.I)
-_YES_OR_NO_FIRST = re.compile(r"^\W*(?:yes|no)\b", re.I)
+# A verdict opening a reply or a sentence ("Yes, ...", "No."), with what follows it up to the next word.
+YES_OR_NO = re.compile(r"^\W*(yes|no)\b[\s,.:;!-]*", re.I)
 _TOKEN = re.compile(r"[A-Za-z0-9]+(?:[-_./#][A-Za-z0-9]+)*")
 _DIGITS = re.compile(r"\d+(?:[.,]\d+)*")
 
@@ -135,7 +136,7 @@ def states_what_is_sought(sentence: str) -> bool:
     """The sentence states a question or an aim (_SOUGHT) rather than an answer: never the one that decides a yes/no
     question, though it repeats its words. One that goes on to say what was found ("We tested whether it restores:
     it does", "... and found that ...") answers."""
-    if _YES_OR_NO_FIRST.match(sentence):
+    if YES_OR_NO.match(sentence):
         return False
     sought = _SOUGHT.search(sentence)
     return sought is not None and _FOUND.search(sentence, sought.end()) is None
