@@ -354,7 +354,8 @@ def _extract(pool: list[Context], ranked: list[ev.Candidate], value_question: st
     whether ...", "Objective: ...") repeats it without deciding it, so the best sentence that does not is taken:
     from the best sentence's document (the question's words point to it; its conclusion may be another chunk), else
     from any, else the best as always. (Letting another document's sentence win when it scored more than
-    EXTRACT_MARGIN above was measured: it cited the wrong document more often, bench/README.md.) Whether kb answers at all is weighed on the best sentence as before (weigh)."""
+    EXTRACT_MARGIN above was measured: it cited the wrong document more often, bench/README.md.) Whether kb answers
+    at all is weighed on the best sentence as before (weigh)."""
     card = pool[0] if pool and pool[0].card_answer and (pool[0].similarity or 0) >= ev.CARD_MATCH else None
     if card is not None:
         return [(card.card_answer, [card.n])]
