@@ -5,6 +5,7 @@ ingested at all: their questions are group "out_of_corpus".
 
     python -m bench.qa_sets pubmedqa RAW/ori_pqal.json OUT      # writes OUT/pubmedqa-dev, OUT/pubmedqa-heldout
     python -m bench.qa_sets covidqa RAW/200421_covidQA.json OUT  # writes OUT/covidqa-dev, OUT/covidqa-heldout
+    python -m bench.qa_sets mediqa RAW/MEDIQA_Task3_QA OUT        # writes OUT/mediqa-dev, OUT/mediqa-heldout
 
 Every folder holds corpus.jsonl (_id, title, text) and questions.jsonl (id, question, answers, passages, group,
 as `load_answer_set` in pipelines/evaluation/evaluate.py reads them) with two more fields the loader ignores:
@@ -31,6 +32,19 @@ other passage of the paper holds any of its questions' answer texts; those quest
 (field "derived": "passage_withheld": the rest of the paper is ingested, and it does not hold the answer text,
 though it may paraphrase it). Answerable questions are sampled down (by hash) to keep each folder modest. No
 yes/no and no situation-style questions (the dataset has none).
+
+**mediqa**: consumer health questions (MEDIQA 2019 task 3, Ben Abacha et al., ACL-BioNLP 2019): messages people
+sent to the U.S. National Library of Medicine, about a third of them a situation told in several sentences before
+the question ("I got hurt in my left leg ankle almost 5 months ago. I went to doctor, ... what should I do?"),
+typos and all, each with the passages NLM's CHiQA system retrieved for it from trusted health sites, judged by
+experts (4 excellent, 3 correct but incomplete, 2 related, 1 incorrect). Raw files: https://github.com/abachaa/MEDIQA2019,
+MEDIQA_Task3_QA/ at commit ae5d3826d6c841923b9db831159fef0f1b893593 (the three sets of consumer questions: TrainingSet1-LiveQAMed,
+ValidationSet, TestSet-wLabels; the Alexa set of one-line questions is left out). Split BY QUESTION, since the
+passages are per question. The corpus of a folder is its questions' passages, each text once. Answerable: a
+question with a passage judged 3 or 4, those passages gold (no gold span: "answers" is empty). Unanswerable: every
+passage of the question judged 2 or 1 (related, not answering), field "derived": "passages_judged_unanswering";
+another question's passage may still answer it, rarely. Every 5th question (by hash) is out_of_corpus: its passages
+are withheld, and it is left out when one of them is also another question's.
 
 Not used, deliberately: ConditionalQA, ShARC and anything built from gov.uk pages (the hidden set's kind), BoolQ
 (Wikipedia). Tried and not reachable from here: doc2dial / MultiDoc2Dial (its data files are over the 4 MiB the
@@ -212,7 +226,57 @@ def build_covidqa(raw: Path, out: Path, answerable_per_folder: dict[str, int] | 
     return counts
 
 
-BUILDERS = {"pubmedqa": build_pubmedqa, "covidqa": build_covidqa}
+# MEDIQA 2019 task 3 --------------------------------------------------------------------------------------
+
+MEDIQA_FILES = ("MEDIQA2019-Task3-QA-TrainingSet1-LiveQAMed.xml", "MEDIQA2019-Task3-QA-ValidationSet.xml",
+                "MEDIQA2019-Task3-QA-TestSet-wLabels.xml")
+
+
+def _mediqa_questions(raw: Path) -> list[tuple[str, str, list[tuple[str, int]]]]:
+    """(question id, message, [(passage text, expert score)]) for every consumer question of the three sets."""
+    import xml.etree.ElementTree as ET
+    out = []
+    for name in MEDIQA_FILES:
+        for question in ET.parse(raw / name).getroot().iter("Question"):
+            passages = [((a.findtext("AnswerText") or "").strip(), int(a.get("ReferenceScore") or 0))
+                        for a in question.iter("Answer")]
+            out.append((f"{name.split('-')[3]}-{question.get('QID')}",
+                        " ".join((question.findtext("QuestionText") or "").split()),
+                        [(text, score) for text, score in passages if text]))
+    return out
+
+
+def _mediqa_record(text: str) -> dict:
+    """A passage as a corpus record: CHiQA's passages open with their page's subject ("Noonan syndrome: ...")."""
+    head = text.split(": ", 1)[0]
+    return {"_id": "mediqa-" + hashlib.sha1(text.encode()).hexdigest()[:12],
+            "title": head if len(head) <= 100 and head != text else "", "text": text}
+
+
+def build_mediqa(raw: Path, out: Path) -> dict[str, dict[str, int]]:
+    counts = {}
+    for name in ("dev", "heldout"):
+        asked = [q for q in _mediqa_questions(raw) if _split(q[0]) == name and q[2]]
+        outside = {qid for qid, _, _ in asked if _rank(qid, "out_of_corpus") < 0.2}
+        records = {r["_id"]: r for qid, _, passages in asked if qid not in outside
+                   for r in (_mediqa_record(text) for text, _ in passages)}
+        questions = []
+        for qid, message, passages in asked:
+            ids = [_mediqa_record(text)["_id"] for text, _ in passages]
+            gold = sorted({i for i, (_, score) in zip(ids, passages) if score >= 3})
+            if qid in outside:
+                if not set(ids) & records.keys():
+                    questions.append(_question(qid, message, [], [], "out_of_corpus", "other"))
+            elif gold:
+                questions.append(_question(qid, message, [], gold, "answerable", "other"))
+            else:
+                questions.append(_question(qid, message, [], [], "unanswerable", "other",
+                                           derived="passages_judged_unanswering"))
+        counts[name] = _write(out / f"mediqa-{name}", list(records.values()), questions)
+    return counts
+
+
+BUILDERS = {"pubmedqa": build_pubmedqa, "covidqa": build_covidqa, "mediqa": build_mediqa}
 
 
 def main() -> None:
