@@ -34,17 +34,18 @@ though it may paraphrase it). Answerable questions are sampled down (by hash) to
 yes/no and no situation-style questions (the dataset has none).
 
 **mediqa**: consumer health questions (MEDIQA 2019 task 3, Ben Abacha et al., ACL-BioNLP 2019): messages people
-sent to the U.S. National Library of Medicine, about a third of them a situation told in several sentences before
+sent to the U.S. National Library of Medicine, about a quarter of them a situation told in several sentences before
 the question ("I got hurt in my left leg ankle almost 5 months ago. I went to doctor, ... what should I do?"),
 typos and all, each with the passages NLM's CHiQA system retrieved for it from trusted health sites, judged by
-experts (4 excellent, 3 correct but incomplete, 2 related, 1 incorrect). Raw files: https://github.com/abachaa/MEDIQA2019,
-MEDIQA_Task3_QA/ at commit ae5d3826d6c841923b9db831159fef0f1b893593 (the three sets of consumer questions: TrainingSet1-LiveQAMed,
-ValidationSet, TestSet-wLabels; the Alexa set of one-line questions is left out). Split BY QUESTION, since the
-passages are per question. The corpus of a folder is its questions' passages, each text once. Answerable: a
-question with a passage judged 3 or 4, those passages gold (no gold span: "answers" is empty). Unanswerable: every
-passage of the question judged 2 or 1 (related, not answering), field "derived": "passages_judged_unanswering";
-another question's passage may still answer it, rarely. Every 5th question (by hash) is out_of_corpus: its passages
-are withheld, and it is left out when one of them is also another question's.
+experts (4 excellent, 3 correct but incomplete, 2 related, 1 incorrect). Raw files:
+https://github.com/abachaa/MEDIQA2019, MEDIQA_Task3_QA/ at commit ae5d3826d6c841923b9db831159fef0f1b893593 (the
+three sets of consumer questions: TrainingSet1-LiveQAMed, ValidationSet, TestSet-wLabels; the Alexa set of one-line
+questions is left out). Split BY QUESTION, since the passages are per question. The corpus of a folder is its
+questions' passages, each text once. Answerable: a question with a passage judged 3 or 4, those passages gold (no
+gold span: "answers" is empty). Unanswerable: every passage of the question judged 2 or 1 (related, not
+answering), field "derived": "passages_judged_unanswering"; another question's passage may still answer it,
+rarely. Every 5th question (by hash) is out_of_corpus: its passages are withheld, and it is left out when one of
+them is also another question's.
 
 Not used, deliberately: ConditionalQA, ShARC and anything built from gov.uk pages (the hidden set's kind), BoolQ
 (Wikipedia). Tried and not reachable from here: doc2dial / MultiDoc2Dial (its data files are over the 4 MiB the
