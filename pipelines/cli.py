@@ -140,8 +140,10 @@ def _usage_problem(exc: Exception) -> str | None:
     from pipelines.settings import ConfigError
     from pipelines.sources.declarations import DeclarationError
     from pipelines.storage.database import DatabaseUnavailable
+    from pipelines.storage.migrations import MigrationLockBusy
 
-    if isinstance(exc, (DeclarationError, ConfigError, DatabaseUnavailable, ChatNotConfigured, DatasetError)):
+    if isinstance(exc, (DeclarationError, ConfigError, DatabaseUnavailable, ChatNotConfigured, DatasetError,
+                        MigrationLockBusy)):
         return str(exc)
     if type(exc).__module__.startswith("openai"):
         return _endpoint_problem(exc)
@@ -380,8 +382,10 @@ def status(as_json) -> None:
             + (f"\n  last crawl: {crawl_line(s['last_crawl'])}" if s["last_crawl"] else "") for s in data["sources"]]
     text += [f"failing: {f['source_id']}:{_shown(f['locator'])}: {_shown(f['reason'])}" for f in data["failures"]]
     text.append(f"models: {', '.join(m['model_key'] + ' (' + m['state'] + ')' for m in data['models']) or 'none'}")
-    text += [f"answer calibration ({c['model_key']}, {c['scope']} sources): answers at confidence {c['answer_at']},"
-             f" fitted {_when(c['fitted_at'])} on {c['chunks']} chunks; of its probes it answers"
+    text += [f"answer calibration ({c['model_key']}, {c['scope']} sources): answers at confidence {c['answer_at']}"
+             + (f" or a closest context's similarity above {c['left_out_ceiling']:.2f}"
+                if c["left_out_ceiling"] is not None else "") +
+             f", fitted {_when(c['fitted_at'])} on {c['chunks']} chunks; of its probes it answers"
              f" {c['report']['answered']['answerable']:.0%} answerable and refuses"
              f" {c['report']['refused']['left_out']:.0%} left out"
              for c in data["answer_calibrations"]] or ["answer calibration: none (the default weights serve; a"
@@ -721,7 +725,7 @@ def migrate_command(wait_s, as_json) -> None:
     import psycopg
 
     from pipelines.storage.database import location, upgrade_schema
-    from pipelines.storage.migrations import RATES, MigrationLockBusy, duration, estimate
+    from pipelines.storage.migrations import RATES, duration, estimate
 
     settings = load_settings()
     plan, applied = [], []
@@ -742,8 +746,6 @@ def migrate_command(wait_s, as_json) -> None:
 
     try:
         upgrade_schema(settings, wait_s=wait_s, before=before, applied=done)
-    except MigrationLockBusy as busy:
-        raise UserError(str(busy)) from None
     except psycopg.Error as exc:
         if isinstance(exc, psycopg.OperationalError) or len(applied) == len(plan):
             raise

@@ -7,11 +7,11 @@ from pathlib import Path
 
 import pytest
 from fake_openai import FakeOpenAI, scripted_chat
-from test_answers import with_chat
+from test_answers import kb, with_chat
 
-from pipelines.answers.answer import Context, _extract, answer_question
+from pipelines.answers.answer import Context, _extract, answer_question, weigh
 from pipelines.answers.asked import asked
-from pipelines.answers.calibration import MIN_CHUNKS, current
+from pipelines.answers.calibration import DEFAULT, MIN_CHUNKS, Calibration, current
 from pipelines.answers.evidence import Candidate, states_what_is_sought
 from pipelines.ingest.run import ingest
 from pipelines.retrieval.search import Filters
@@ -57,6 +57,32 @@ def test_the_refresh_calibrates_on_the_knowledge_base_and_says_so(newcomer_kb, e
     again = next(s for s in ingest(conn, embedder, settings).stages if s.stage == "calibrate")
     assert again.counts["fitted"] == 0  # nothing changed, nothing refitted
     assert current(conn, embedder.model_key, []).fitted_at == calibration.fitted_at
+    # the left-out ceiling: the closest any question about a document left out came
+    left_out = [f[0] for (f,) in conn.execute("SELECT features FROM answer_probes WHERE kind = 'left_out'")]
+    assert calibration.left_out_ceiling == max(left_out) and 0 < max(left_out) < 1
+    assert stage.notes["calibrations"][0]["left_out_ceiling"] == max(left_out)
+    shown = kb("status").output
+    assert (f"answers at confidence {calibration.answer_at} or a closest context's similarity above"
+            f" {max(left_out):.2f}, fitted") in shown, shown
+
+
+def _weighed(similarity: float, calibration: Calibration) -> dict:
+    """weigh() of one context at this cosine to the question, holding none of its words, with no sentence scored."""
+    context = Context(1, 1, "faq:faq-001", "", "Remote work is allowed from any EU country.", similarity)
+    return weigh([context], [], [], [], calibration)
+
+
+def test_a_context_closer_than_any_left_out_question_came_answers_though_no_sentence_does():
+    """The confidence weighs whether a sentence answers; a question about a topic as a whole finds its passage closer
+    than any question about a missing document came in the calibration (the left-out ceiling), and is answered."""
+    fit = Calibration(DEFAULT.weights, 0.55, "knowledge base", left_out_ceiling=0.7)
+    above, below = _weighed(0.75, fit), _weighed(0.65, fit)
+    assert above["confidence"] < 0.55 and above["answers"]
+    assert above["why"].startswith("answered: the closest context's similarity 0.75 is above any that a question"
+                                   " about a document the knowledge base lacks reached in its calibration (0.70)")
+    assert not below["answers"] and "too weak" in below["why"]
+    assert not _weighed(0.7, fit)["answers"]  # the ceiling itself was reached by a left-out question
+    assert not _weighed(0.95, DEFAULT)["answers"]  # the default weights have no probes, so no ceiling
 
 
 

@@ -420,3 +420,13 @@ def test_the_lock_holder_named_is_the_one_in_this_database(settings, server_url)
     finally:
         with psycopg.connect(server_url, autocommit=True) as admin:
             admin.execute(sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(other)))
+
+
+def test_a_migration_lock_held_too_long_is_one_line_for_every_command():
+    """`kb eval` migrates its own databases and `kb ingest` installs a new one: a lock another run holds past the
+    wait ends them with the line naming the holder, as it ends `kb migrate` (it was a generic error there)."""
+    from pipelines.cli import _usage_problem
+    from pipelines.storage.migrations import MigrationLockBusy
+
+    line = "kb's migration lock is held by PostgreSQL backend 7 (...), and was not released within 60 s: ..."
+    assert _usage_problem(MigrationLockBusy(line)) == line

@@ -240,14 +240,17 @@ def weigh(contexts: list[Context], codes: list[str], held: list[int], ranked: li
           calibration: Calibration = DEFAULT) -> dict:
     """Whether the contexts answer the question, and the evidence for it (contexts' coverage already set): the
     calibrated confidence (calibration.py) over the contexts and the best sentence of the first EXTRACT_CONTEXTS of
-    them (`ranked`, best first), or the code rule (`held`, from code_holders)."""
+    them (`ranked`, best first), a closest context above the calibration's left-out ceiling, or the code rule
+    (`held`, from code_holders)."""
     dense = max((c.similarity for c in contexts if c.similarity is not None), default=0.0)
     top = max(contexts, key=lambda c: c.similarity if c.similarity is not None else -1.0, default=None)
     lexical = max((c.coverage for c in contexts), default=0.0)
     of_top = top.coverage if top else 0.0
     best = next((c.score for c in ranked if c.context <= EXTRACT_CONTEXTS), 0.0)
     score = calibration.confidence([dense, lexical, of_top, best])
-    answers = bool(contexts) and (bool(held) or score >= calibration.answer_at)
+    ceiling = calibration.left_out_ceiling
+    closer = ceiling is not None and dense > ceiling
+    answers = bool(contexts) and (bool(held) or score >= calibration.answer_at or closer)
     weighed = (f"confidence {score:.2f} {'>=' if score >= calibration.answer_at else '<'} {calibration.answer_at}"
                f" ({calibration.origin} calibration; closest context's similarity {dense:.2f}; the contexts hold"
                f" {lexical:.0%} of the question's rare words)")
@@ -255,6 +258,9 @@ def weigh(contexts: list[Context], codes: list[str], held: list[int], ranked: li
         why = "nothing readable matches the question"
     elif held:
         why = f"answered: a context holds {', '.join(codes)} with the rest of the question"
+    elif answers and score < calibration.answer_at:
+        why = (f"answered: the closest context's similarity {dense:.2f} is above any that a question about a"
+               f" document the knowledge base lacks reached in its calibration ({ceiling:.2f}), though {weighed}")
     elif answers:
         why = f"answered: {weighed}"
     else:

@@ -231,8 +231,8 @@ def own_database(settings, dbname: str) -> str:
 
     def said(conn, files) -> None:
         if is_installed(conn):  # a new database is installed silently: every first run would warn
-            log.warning("kb eval: bringing its database %s to this kb's schema (%d files: %s)", dbname, len(files),
-                        ", ".join(f.name for f in files))
+            log.warning("kb eval: bringing its database %s to this kb's schema (%s: %s)", dbname,
+                        f"{len(files)} file{'s' if len(files) != 1 else ''}", ", ".join(f.name for f in files))
 
     url = ensure_database(server_url(settings), dbname)
     upgrade_schema(dataclasses.replace(settings, database_url=url), before=said)
