@@ -197,6 +197,17 @@ def test_the_deciding_sentence_comes_from_the_questions_document():
     assert _extract(pool, [aim, finding], yes_no=False)[0][0] == aim.text  # not yes/no: the best sentence
 
 
+def test_a_sentence_that_asks_is_not_the_answer():
+    """A page's heading question ("What is Coffin-Lowry syndrome?:", an FAQ's "Can I ...?") shares the question's
+    words and scored first, so MEDIQA's answers were 4 times in 27 a question; the sentence that answers is taken."""
+    pool = [Context(1, 1, "faq:faq-007", "", "", 0.8)]
+    heading = Candidate("Can I work from another country?:", 1, score=7.0)
+    quoted = Candidate('New hires often ask "can I work abroad?"', 1, score=6.5)
+    answer = Candidate("Yes, for up to 30 days a year with your manager's approval.", 1, score=4.0)
+    assert _extract(pool, [heading, quoted, answer]) == [(answer.text, [1])]
+    assert _extract(pool, [heading]) == [(heading.text, [1])]  # nothing else: the best as always
+
+
 def test_a_caller_is_never_answered_with_a_fit_over_sources_it_cannot_read(conn, embedder, settings, tmp_path):
     public = tmp_path / "public.jsonl"
     public.write_text(NEWCOMER_FAQ.read_text())

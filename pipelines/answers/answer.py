@@ -46,6 +46,9 @@ COMPRESS_SIMILARITY = 0.3  # compression keeps context sentences at least this c
 EXTRACT_CONTEXTS = 5  # contexts whose sentences may answer
 EXTRACT_MARGIN = 1.0  # a second sentence of the best one's context joins it within this logit (calibration: +3 points)
 VALUE_CANDIDATES = 3  # a question asking for a value: the best sentences looked at for one (short_answer, ~10 ms each)
+# A sentence that asks ("What is Coffin-Lowry syndrome?:", an FAQ heading, "Why does this happen?") shares the
+# question's words and so scores high, yet answers nothing: the answer is another sentence.
+ASKS = re.compile(r"\?[\s\"'\u201d)\]]*:?\s*$")
 PROMPT = ("Answer the question using only the numbered contexts below. After every sentence, cite the contexts it "
           "relies on as [1], [2] and so on. Do not add anything the contexts do not say. If the contexts do not "
           f"contain the answer, reply exactly {NOT_FOUND_MARK}.\n\nQuestion: {{question}}\n\nContexts:\n{{contexts}}")
@@ -352,7 +355,8 @@ def ranked_sentences(embedder, question_vector: np.ndarray, contexts: list[Conte
 def _extract(pool: list[Context], ranked: list[ev.Candidate], value_question: str | None = None,
              yes_no: bool = False) -> list[tuple[str, list[int]]]:
     """A Q&A card that matches the question answers with its answer. Otherwise the best-scored sentence of the
-    pool, and the next best of the same context when it scores nearly as well. `value_question`: the question, when
+    pool that does not itself ask (ASKS; the best one when all do), and the next best of the same context when it
+    scores nearly as well. `value_question`: the question, when
     it asks for a value only an entity gives (short_answer.asks_for_value: "when", "how many"...); then the answer
     is the best sentence near the top (within EXTRACT_MARGIN of the best) that, with its companion, holds such a
     value, and the best sentence as always when none does. (Refusing then was measured and taken back:
@@ -367,6 +371,7 @@ def _extract(pool: list[Context], ranked: list[ev.Candidate], value_question: st
         return [(card.card_answer, [card.n])]
     numbers = {c.n for c in pool}
     ranked = [c for c in ranked if c.context in numbers]
+    ranked = [c for c in ranked if not ASKS.search(c.text)] or ranked
     if yes_no:
         document = {c.n: c.document for c in pool}
         deciding = [c for c in ranked if not ev.states_what_is_sought(c.text)]
