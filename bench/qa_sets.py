@@ -40,12 +40,14 @@ typos and all, each with the passages NLM's CHiQA system retrieved for it from t
 experts (4 excellent, 3 correct but incomplete, 2 related, 1 incorrect). Raw files:
 https://github.com/abachaa/MEDIQA2019, MEDIQA_Task3_QA/ at commit ae5d3826d6c841923b9db831159fef0f1b893593 (the
 three sets of consumer questions: TrainingSet1-LiveQAMed, ValidationSet, TestSet-wLabels; the Alexa set of one-line
-questions is left out). Split BY QUESTION, since the passages are per question. The corpus of a folder is its
-questions' passages, each text once. Answerable: a question with a passage judged 3 or 4, those passages gold (no
+questions is left out). Split by groups of questions that share a passage or the same message (the sets repeat
+some), so that no passage and no question is in both folders. The corpus of a folder is its questions' passages,
+each text once. Answerable: a question with a passage judged 3 or 4, those passages gold (no
 gold span: "answers" is empty). Unanswerable: every passage of the question judged 2 or 1 (related, not
 answering), field "derived": "passages_judged_unanswering"; another question's passage may still answer it,
 rarely. Every 5th question (by hash) is out_of_corpus: its passages are withheld, and it is left out when one of
-them is also another question's.
+them is also another question's, so the out-of-corpus questions left are mostly about conditions no passage of the
+folder covers: the easy kind (not a missing page on a condition the folder holds).
 
 Not used, deliberately: ConditionalQA, ShARC and anything built from gov.uk pages (the hidden set's kind), BoolQ
 (Wikipedia). Tried and not reachable from here: doc2dial / MultiDoc2Dial (its data files are over the 4 MiB the
@@ -241,7 +243,7 @@ def _mediqa_questions(raw: Path) -> list[tuple[str, str, list[tuple[str, int]]]]
         for question in ET.parse(raw / name).getroot().iter("Question"):
             passages = [((a.findtext("AnswerText") or "").strip(), int(a.get("ReferenceScore") or 0))
                         for a in question.iter("Answer")]
-            out.append((f"{name.split('-')[3]}-{question.get('QID')}",
+            out.append((f"{Path(name).stem.split('-')[3]}-{question.get('QID')}",
                         " ".join((question.findtext("QuestionText") or "").split()),
                         [(text, score) for text, score in passages if text]))
     return out
@@ -254,10 +256,31 @@ def _mediqa_record(text: str) -> dict:
             "title": head if len(head) <= 100 and head != text else "", "text": text}
 
 
+def _mediqa_groups(questions: list[tuple[str, str, list[tuple[str, int]]]]) -> dict[str, str]:
+    """Each question's group: the questions linked by a passage text or a message they share (the three sets repeat
+    some of both), named by their first id. A group goes whole to dev or to held-out, so no passage and no question
+    is in both."""
+    parent = {qid: qid for qid, _, _ in questions}
+
+    def root(qid: str) -> str:
+        while parent[qid] != qid:
+            parent[qid] = parent[parent[qid]]
+            qid = parent[qid]
+        return qid
+
+    first: dict[str, str] = {}
+    for qid, message, passages in questions:
+        for key in [_normalized(message)] + [text for text, _ in passages]:
+            a, b = root(qid), root(first.setdefault(key, qid))
+            parent[max(a, b)] = min(a, b)
+    return {qid: root(qid) for qid, _, _ in questions}
+
+
 def build_mediqa(raw: Path, out: Path) -> dict[str, dict[str, int]]:
-    counts = {}
+    counts, every = {}, [q for q in _mediqa_questions(raw) if q[2]]
+    group = _mediqa_groups(every)
     for name in ("dev", "heldout"):
-        asked = [q for q in _mediqa_questions(raw) if _split(q[0]) == name and q[2]]
+        asked = [q for q in every if _split(group[q[0]]) == name]
         outside = {qid for qid, _, _ in asked if _rank(qid, "out_of_corpus") < 0.2}
         records = {r["_id"]: r for qid, _, passages in asked if qid not in outside
                    for r in (_mediqa_record(text) for text, _ in passages)}

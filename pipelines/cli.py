@@ -383,8 +383,8 @@ def status(as_json) -> None:
     text += [f"failing: {f['source_id']}:{_shown(f['locator'])}: {_shown(f['reason'])}" for f in data["failures"]]
     text.append(f"models: {', '.join(m['model_key'] + ' (' + m['state'] + ')' for m in data['models']) or 'none'}")
     text += [f"answer calibration ({c['model_key']}, {c['scope']} sources): answers at confidence {c['answer_at']}"
-             + (f" or a closest context's similarity above {c['left_out_ceiling']:.2f}"
-                if c["left_out_ceiling"] is not None else "") +
+             + (f" or a closest context's similarity above {ceiling:.4f}"
+                if (ceiling := c["report"].get("left_out_ceiling")) is not None else "") +
              f", fitted {_when(c['fitted_at'])} on {c['chunks']} chunks; of its probes it answers"
              f" {c['report']['answered']['answerable']:.0%} answerable and refuses"
              f" {c['report']['refused']['left_out']:.0%} left out"

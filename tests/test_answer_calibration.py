@@ -3,18 +3,19 @@ base itself per embedding model, messages that carry a situation, yes/no questio
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 from fake_openai import FakeOpenAI, scripted_chat
 from test_answers import kb, with_chat
 
-from pipelines.answers.answer import Context, _extract, answer_question, weigh
+from pipelines.answers.answer import Context, _extract, answer_question, gather, weigh
 from pipelines.answers.asked import asked
-from pipelines.answers.calibration import DEFAULT, MIN_CHUNKS, Calibration, current
+from pipelines.answers.calibration import CEILING_DOCUMENTS, DEFAULT, MIN_CHUNKS, Calibration, Probe, current, fit
 from pipelines.answers.evidence import Candidate, states_what_is_sought
 from pipelines.ingest.run import ingest
-from pipelines.retrieval.search import Filters
+from pipelines.retrieval.search import Filters, embed_query
 from pipelines.sources.declarations import add_source, declare
 
 NEWCOMER_FAQ = Path(__file__).parent / "data" / "newcomer-faq" / "faq.jsonl"
@@ -59,11 +60,11 @@ def test_the_refresh_calibrates_on_the_knowledge_base_and_says_so(newcomer_kb, e
     assert current(conn, embedder.model_key, []).fitted_at == calibration.fitted_at
     # the left-out ceiling: the closest any question about a document left out came
     left_out = [f[0] for (f,) in conn.execute("SELECT features FROM answer_probes WHERE kind = 'left_out'")]
-    assert calibration.left_out_ceiling == max(left_out) and 0 < max(left_out) < 1
+    assert calibration.left_out_ceiling == report["left_out_ceiling"] == max(left_out) and 0 < max(left_out) < 1
     assert stage.notes["calibrations"][0]["left_out_ceiling"] == max(left_out)
     shown = kb("status").output
     assert (f"answers at confidence {calibration.answer_at} or a closest context's similarity above"
-            f" {max(left_out):.2f}, fitted") in shown, shown
+            f" {max(left_out):.4f}, fitted") in shown, shown
 
 
 def _weighed(similarity: float, calibration: Calibration) -> dict:
@@ -78,11 +79,43 @@ def test_a_context_closer_than_any_left_out_question_came_answers_though_no_sent
     fit = Calibration(DEFAULT.weights, 0.55, "knowledge base", left_out_ceiling=0.7)
     above, below = _weighed(0.75, fit), _weighed(0.65, fit)
     assert above["confidence"] < 0.55 and above["answers"]
-    assert above["why"].startswith("answered: the closest context's similarity 0.75 is above any that a question"
-                                   " about a document the knowledge base lacks reached in its calibration (0.70)")
+    assert above["why"].startswith("answered: the closest context's similarity 0.7500 is above any that a question"
+                                   " about a document the knowledge base lacks reached in its calibration (0.7000)")
     assert not below["answers"] and "too weak" in below["why"]
     assert not _weighed(0.7, fit)["answers"]  # the ceiling itself was reached by a left-out question
     assert not _weighed(0.95, DEFAULT)["answers"]  # the default weights have no probes, so no ceiling
+    assert not _weighed(0.70004, fit)["answers"]  # compared as the probes' cosines are stored: to 4 places
+
+
+def _probes(kind: str, documents: int, dense: float, per_document: int = 4) -> list[Probe]:
+    """Probes of `documents` documents, their features as a fit reads them (dense first), spread a little."""
+    return [Probe(n, "s", f"doc-{n % documents}", kind, "What?", [dense - 0.01 * (n % 5), 0.5, 0.5, 4.0])
+            for n in range(documents * per_document)]
+
+
+def test_the_left_out_ceiling_stands_on_left_out_questions_that_found_another_document():
+    """In a scope of one document a left-out probe finds nothing (cosine 0): a ceiling of 0 would answer every
+    question. Too few documents left out say nothing of a missing document on a topic the knowledge base holds."""
+    answerable = _probes("answerable", 12, 0.8)
+    assert fit(answerable + _probes("left_out", 12, 0.6))[2]["left_out_ceiling"] == 0.6
+    assert fit(answerable + _probes("left_out", CEILING_DOCUMENTS - 1, 0.6))[2]["left_out_ceiling"] is None
+    assert fit(answerable + _probes("left_out", 12, 0.0))[2]["left_out_ceiling"] is None  # one document: nothing found
+    assert fit(answerable)[2]["left_out_ceiling"] is None
+
+
+def test_a_hyde_passage_is_never_compared_with_the_ceiling(newcomer_kb, embedder, settings):
+    """With HyDE the contexts' cosines are to a passage a chat model wrote, on topic even when the documents lack
+    the answer; the ceiling was measured on questions. A ceiling of 0 answers anything, except through HyDE."""
+    conn, _ = newcomer_kb
+    anything = replace(current(conn, embedder.model_key, []), left_out_ceiling=0.0)
+    question = "Can I bring my dog to the office?"
+    vector = embed_query(embedder, question)
+    passage = embed_query(embedder, "Dogs are welcome in the office on Fridays if they are vaccinated.")
+    weighed = {hyde: gather(conn, settings, embedder, asked(question), 5, mode="qa_first", filters=Filters(),
+                            rerank=False, calibration=anything, message_vector=vector,
+                            vector=passage if hyde else None).found for hyde in (False, True)}
+    assert weighed[False]["answers"] and "above any that a question" in weighed[False]["why"]
+    assert not weighed[True]["answers"], weighed[True]["why"]
 
 
 

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import re
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 import numpy as np
 import psycopg
@@ -130,6 +130,8 @@ def gather(conn: psycopg.Connection, settings: Settings, embedder, asked: Asked,
     held = code_holders(contexts, query_class.identifiers, ev.question_codes(asked.question))
     scope = [c for c in contexts if c.n <= EXTRACT_CONTEXTS or c.n in held]  # what may answer
     ranked = ranked_sentences(embedder, focus, scope, terms, lexemes)
+    if vector is not None and not asked.situation:  # HyDE: the contexts' cosines are to a passage a model made up,
+        calibration = replace(calibration, left_out_ceiling=None)  # not to a question like the probes'
     return Gathered(contexts, lexemes, held, ranked, weigh(contexts, query_class.identifiers, held, ranked,
                                                             calibration))
 
@@ -251,8 +253,9 @@ def weigh(contexts: list[Context], codes: list[str], held: list[int], ranked: li
     of_top = top.coverage if top else 0.0
     best = next((c.score for c in ranked if c.context <= EXTRACT_CONTEXTS), 0.0)
     score = calibration.confidence([dense, lexical, of_top, best])
-    ceiling = calibration.left_out_ceiling
-    closer = ceiling is not None and dense > ceiling
+    ceiling = calibration.left_out_ceiling  # the probes' cosines are rounded as this returns them, and from k=5
+    near = max((c.similarity for c in contexts if c.n <= EXTRACT_CONTEXTS and c.similarity is not None), default=0.0)
+    closer = ceiling is not None and round(near, 4) > ceiling
     answers = bool(contexts) and (bool(held) or score >= calibration.answer_at or closer)
     weighed = (f"confidence {score:.2f} {'>=' if score >= calibration.answer_at else '<'} {calibration.answer_at}"
                f" ({calibration.origin} calibration; closest context's similarity {dense:.2f}; the contexts hold"
@@ -262,8 +265,8 @@ def weigh(contexts: list[Context], codes: list[str], held: list[int], ranked: li
     elif held:
         why = f"answered: a context holds {', '.join(codes)} with the rest of the question"
     elif answers and score < calibration.answer_at:
-        why = (f"answered: the closest context's similarity {dense:.2f} is above any that a question about a"
-               f" document the knowledge base lacks reached in its calibration ({ceiling:.2f}), though {weighed}")
+        why = (f"answered: the closest context's similarity {near:.4f} is above any that a question about a"
+               f" document the knowledge base lacks reached in its calibration ({ceiling:.4f}), though {weighed}")
     elif answers:
         why = f"answered: {weighed}"
     else:

@@ -19,16 +19,19 @@ and reported until issue 32, never fitted on; it was a fifth of a first ingest's
 
 The fit weighs answerable and left_out probes equally and answers at the confidence, in steps of 0.05, with the best
 balanced accuracy between them. It also keeps the *left-out ceiling*: the highest cosine any left_out probe's closest
-context reached. A question whose closest context is closer than that is answered whatever its confidence. The
-confidence weighs whether one sentence answers, and the probes, made from sentences, teach it nothing else; but
-people often ask about a topic as a whole ("vasculitis: what can we do?", "what should I do about this burn?"), and
-find the right passage at a cosine no question about a document the knowledge base lacks reached, with no one
-sentence that matches them. The ceiling is the most cautious such line the probes allow: a left_out probe above it
-would have been answered (MEDIQA's consumer questions, bench/README.md). A fit is per model and per scope (the sources every caller reads, and each group's),
-so that what a caller is told never depends on documents it cannot read; a scope with fewer than MIN_CHUNKS chunks
-keeps the default weights (evidence.CONFIDENCE_WEIGHTS, fitted on SQuAD), and says so. The ingest flow's `calibrate`
-stage refits a scope when the model has none, when what the scope may read was declared otherwise since, or when a
-run changed at least REFIT_SHARE of its chunks.
+context reached (when left_out probes of CEILING_DOCUMENTS documents found one). A question whose closest context is
+closer than that is answered whatever its confidence. The confidence weighs whether one sentence answers, and the
+probes, made from sentences, teach it nothing else; but people often ask about a topic as a whole ("vasculitis: what
+can we do?", "what should I do about this burn?"), and find the right passage at a cosine no question about a
+document the knowledge base lacks reached, with no one sentence that matches them. The ceiling is the most cautious
+such line the probes allow: a left_out probe above it would have been answered (MEDIQA's consumer questions,
+bench/README.md). It is kept in the fit's report; a fit made before it has none until its next refit.
+
+A fit is per model and per scope (the sources every caller reads, and each group's), so that what a caller is told
+never depends on documents it cannot read; a scope with fewer than MIN_CHUNKS chunks keeps the default weights
+(evidence.CONFIDENCE_WEIGHTS, fitted on SQuAD), and says so. The ingest flow's `calibrate` stage refits a scope when
+the model has none, when what the scope may read was declared otherwise since, or when a run changed at least
+REFIT_SHARE of its chunks.
 """
 
 from __future__ import annotations
@@ -57,16 +60,16 @@ RIDGE = 1.0  # probes can be separable: the penalty keeps the weights finite and
 KEEP_WORDS = 0.5
 REWORDED = 1  # the share of a source sentence's content words a probe keeps
 MAX_GROUP_SCOPES = 8  # groups calibrated besides the public scope (the largest ones)
+# The left-out ceiling stands on left_out probes of at least this many documents that found a context: with fewer, a
+# question about a left-out document finds only unrelated ones (in a one-document scope nothing, cosine 0), and
+# what it reached says nothing about a missing document on a topic the knowledge base holds.
+CEILING_DOCUMENTS = 10
 _WORD = re.compile(r"[A-Za-z][A-Za-z'-]*[A-Za-z]|\d[\d.,]*\d|\d")
 PROBE_WORDS = Path(__file__).with_name("probe_words.txt")
 
-# The left-out ceiling of a fit `c`, from its stored probes (features[1] is the dense cosine, evidence.FEATURES' first).
-LEFT_OUT_CEILING = ("(SELECT max(p.features[1]) FROM answer_probes p"
-                    " WHERE p.calibration_id = c.calibration_id AND p.kind = 'left_out')")
-FITS = f"""
-SELECT calibration_id, model_key, scope_group, fitted_at, chunks, weights, answer_at, {LEFT_OUT_CEILING}, report,
-       sources, hidden
-FROM answer_calibrations c WHERE model_key = %(model)s AND (scope_group = '' OR scope_group = ANY(%(groups)s))
+FITS = """
+SELECT calibration_id, model_key, scope_group, fitted_at, chunks, weights, answer_at, report, sources, hidden
+FROM answer_calibrations WHERE model_key = %(model)s AND (scope_group = '' OR scope_group = ANY(%(groups)s))
 ORDER BY chunks DESC, fitted_at DESC
 """
 OF_SCOPE = """
@@ -127,11 +130,11 @@ def current(conn: psycopg.Connection, model_key: str, groups: list[str]) -> Cali
     or one of its groups') that read nothing the caller may not read today; the default when there is none."""
     visible = readable(conn, list(groups))
     hidden = {f"{source}\t{prefix}" for source, prefix in visible.hidden}
-    for _, model, group, fitted_at, chunks, weights, answer_at, ceiling, report, sources, fit_hidden in conn.execute(
+    for _, model, group, fitted_at, chunks, weights, answer_at, report, sources, fit_hidden in conn.execute(
             FITS, {"model": model_key, "groups": list(groups)}).fetchall():
         if set(sources) <= set(visible.ids) and {h for h in hidden if h.split("\t")[0] in sources} <= set(fit_hidden):
             return Calibration(tuple(weights), answer_at, "knowledge base", model, group, chunks, fitted_at, report,
-                               ceiling)
+                               report.get("left_out_ceiling"))
     return DEFAULT
 
 
@@ -240,22 +243,21 @@ def _foreign_words(conn: psycopg.Connection, source_keys: list[int]) -> list[str
     return [w for w, lexemes in zip(words, ev.lexemes(conn, words)) if lexemes and lexemes <= absent] or words
 
 
-def fit(probes: list[Probe]) -> tuple[tuple[float, ...], float, float | None, dict]:
-    """(weights, operating point, left-out ceiling, report) from probes with their features: answerable against
-    left_out, each side weighed equally; the operating point has the best balanced accuracy (ties: nearest 0.5);
-    the ceiling is the highest cosine a left_out probe's closest context reached (None without left_out probes)."""
+def fit(probes: list[Probe]) -> tuple[tuple[float, ...], float, dict]:
+    """(weights, operating point, report) from probes with their features: answerable against left_out, each side
+    weighed equally; the operating point has the best balanced accuracy of the confidence alone (ties: nearest 0.5).
+    The report holds the left-out ceiling: the highest cosine a left_out probe's closest context reached, when
+    left_out probes of CEILING_DOCUMENTS documents or more found one (else None: no such rule)."""
     x = np.array([p.features for p in probes], dtype=float)
     kinds = np.array([probe.kind for probe in probes])
     y = (kinds == "answerable").astype(float)
     positives, negatives = max(y.sum(), 1.0), max(len(y) - y.sum(), 1.0)
     w = fit_logistic(x, y, RIDGE, sample_weight=np.where(y == 1, 0.5 / positives, 0.5 / negatives) * len(y))
     p = 1 / (1 + np.exp(-(w[0] + x @ w[1:])))
-    dense = x[:, ev.FEATURES.index("dense")]
-    ceiling = float(dense[y == 0].max()) if (y == 0).any() else None
-    beyond = dense > ceiling if ceiling is not None else np.zeros(len(y), dtype=bool)
+    ceiling = _left_out_ceiling(probes)
 
     def shares(at: float) -> tuple[dict, dict]:
-        answered = {"answerable": float(((p >= at) | beyond)[y == 1].mean())}
+        answered = {"answerable": float((p[y == 1] >= at).mean())}
         refused = {"left_out": float((p[y == 0] < at).mean())} if (y == 0).any() else {}
         return answered, refused
 
@@ -265,10 +267,21 @@ def fit(probes: list[Probe]) -> tuple[tuple[float, ...], float, float | None, di
     answered, refused = shares(answer_at)
     report = {"probes": {k: int((kinds == k).sum()) for k in ("answerable", "left_out")},
               "answered": {k: round(v, 3) for k, v in answered.items()},
-              "refused": {k: round(v, 3) for k, v in refused.items()}}
+              "refused": {k: round(v, 3) for k, v in refused.items()}, "left_out_ceiling": ceiling}
     for probe, confidence in zip(probes, p):
         probe.confidence = float(confidence)
-    return tuple(float(v) for v in w), answer_at, ceiling, report
+    return tuple(float(v) for v in w), answer_at, report
+
+
+def _left_out_ceiling(probes: list[Probe]) -> float | None:
+    """The highest cosine a left_out probe's closest context reached, if left_out probes of CEILING_DOCUMENTS
+    documents found one; else None."""
+    dense = ev.FEATURES.index("dense")
+    reached = [(p.features[dense], (p.source_id, p.locator)) for p in probes
+               if p.kind == "left_out" and p.features[dense] > 0]
+    if len({document for _, document in reached}) < CEILING_DOCUMENTS:
+        return None
+    return max(cosine for cosine, _ in reached)
 
 
 def scopes(conn: psycopg.Connection) -> list[str]:
@@ -324,7 +337,7 @@ def calibrate(conn: psycopg.Connection, settings, embedder, *, changed: bool = T
         for probe, features in zip(probes, probe_features(conn, settings, embedder, probes,
                                                           [group] if group else [], progress)):
             probe.features = features
-        weights, answer_at, ceiling, report = fit(probes)
+        weights, answer_at, report = fit(probes)
         with conn.transaction():
             calibration_id = conn.execute(
                 "INSERT INTO answer_calibrations (model_key, scope_group, chunks, sources, hidden, weights, answer_at,"
@@ -340,7 +353,7 @@ def calibrate(conn: psycopg.Connection, settings, embedder, *, changed: bool = T
             conn.execute("DELETE FROM answer_calibrations WHERE model_key = %s AND scope_group = %s"
                          " AND calibration_id < %s", (embedder.model_key, group, calibration_id))
         done.append({"scope": group or "public", "fitted": True, "why": why, "chunks": live,
-                     "answer_at": answer_at, "left_out_ceiling": ceiling, **report})
+                     "answer_at": answer_at, **report})
     return done
 
 

@@ -32,8 +32,6 @@ def crawl_line(crawl: dict) -> str:
 
 
 def knowledge_base_status(conn: psycopg.Connection) -> dict:
-    from pipelines.answers.calibration import LEFT_OUT_CEILING
-
     with conn.cursor(row_factory=dict_row) as cur:
         return {
             "sources": cur.execute(SOURCES).fetchall(),
@@ -42,8 +40,7 @@ def knowledge_base_status(conn: psycopg.Connection) -> dict:
             "models": cur.execute("SELECT model_key, dimensions, state FROM embedding_models ORDER BY created_at").fetchall(),
             "answer_calibrations": cur.execute(
                 "SELECT model_key, CASE scope_group WHEN '' THEN 'public' ELSE scope_group END AS scope, fitted_at,"
-                " chunks, answer_at, " + LEFT_OUT_CEILING + " AS left_out_ceiling, report FROM answer_calibrations c"
-                " ORDER BY model_key, scope_group").fetchall(),
+                " chunks, answer_at, report FROM answer_calibrations ORDER BY model_key, scope_group").fetchall(),
             "last_run": cur.execute("SELECT run_id, started_by, external_run_id, started_at, finished_at, sources,"
                                     " counters FROM ingest_runs"
                                     " ORDER BY run_id DESC LIMIT 1").fetchone(),
