@@ -357,18 +357,17 @@ def ranked_sentences(embedder, question_vector: np.ndarray, contexts: list[Conte
 
 def _extract(pool: list[Context], ranked: list[ev.Candidate], value_question: str | None = None,
              yes_no: bool = False) -> list[tuple[str, list[int]]]:
-    """A Q&A card that matches the question answers with its answer. Otherwise the best-scored sentence of the
-    pool that does not itself ask (ASKS; the best one when all do), and the next best of the same context when it
-    scores nearly as well. `value_question`: the question, when
-    it asks for a value only an entity gives (short_answer.asks_for_value: "when", "how many"...); then the answer
-    is the best sentence near the top (within EXTRACT_MARGIN of the best) that, with its companion, holds such a
-    value, and the best sentence as always when none does. (Refusing then was measured and taken back:
-    bench/README.md.) `yes_no`: the question asks yes or no, and a sentence stating what was sought ("we asked
-    whether ...", "Objective: ...") repeats it without deciding it, so the best sentence that does not is taken:
-    from the best sentence's document (the question's words point to it; its conclusion may be another chunk), else
-    from any, else the best as always. (Letting another document's sentence win when it scored more than
-    EXTRACT_MARGIN above was measured: it cited the wrong document more often, bench/README.md.) Whether kb answers
-    at all is weighed on the best sentence as before (weigh)."""
+    """A Q&A card that matches the question answers with its answer. Otherwise the best-scored sentence of the pool
+    that does not itself ask (ASKS; the best one when all do), and the next best of the same context when it scores
+    nearly as well. `value_question`: the question, when it asks for a value only an entity gives
+    (short_answer.asks_for_value: "when", "how many"...); then the answer is the best sentence near the top (within
+    EXTRACT_MARGIN of the best) that, with its companion, holds such a value, and the best sentence as always when
+    none does. (Refusing then was measured and taken back: bench/README.md.) `yes_no`: the question asks yes or no,
+    and a sentence stating what was sought ("we asked whether ...", "Objective: ...") repeats it without deciding
+    it, so the best sentence that does not is taken: from the best sentence's document (the question's words point
+    to it; its conclusion may be another chunk), else from any, else the best as always. (Letting another document's
+    sentence win when it scored more than EXTRACT_MARGIN above was measured: it cited the wrong document more often,
+    bench/README.md.) Whether kb answers at all is weighed on the best sentence as before (weigh)."""
     card = pool[0] if pool and pool[0].card_answer and (pool[0].similarity or 0) >= ev.CARD_MATCH else None
     if card is not None:
         return [(card.card_answer, [card.n])]
