@@ -76,15 +76,15 @@ def _weighed(similarity: float, calibration: Calibration) -> dict:
 def test_a_context_closer_than_any_left_out_question_came_answers_though_no_sentence_does():
     """The confidence weighs whether a sentence answers; a question about a topic as a whole finds its passage closer
     than any question about a missing document came in the calibration (the left-out ceiling), and is answered."""
-    fit = Calibration(DEFAULT.weights, 0.55, "knowledge base", left_out_ceiling=0.7)
-    above, below = _weighed(0.75, fit), _weighed(0.65, fit)
+    fitted = Calibration(DEFAULT.weights, 0.55, "knowledge base", left_out_ceiling=0.7)
+    above, below = _weighed(0.75, fitted), _weighed(0.65, fitted)
     assert above["confidence"] < 0.55 and above["answers"]
     assert above["why"].startswith("answered: the closest context's similarity 0.7500 is above any that a question"
                                    " about a document the knowledge base lacks reached in its calibration (0.7000)")
     assert not below["answers"] and "too weak" in below["why"]
-    assert not _weighed(0.7, fit)["answers"]  # the ceiling itself was reached by a left-out question
+    assert not _weighed(0.7, fitted)["answers"]  # the ceiling itself was reached by a left-out question
     assert not _weighed(0.95, DEFAULT)["answers"]  # the default weights have no probes, so no ceiling
-    assert not _weighed(0.70004, fit)["answers"]  # compared as the probes' cosines are stored: to 4 places
+    assert not _weighed(0.70004, fitted)["answers"]  # compared as the probes' cosines are stored: to 4 places
 
 
 def _probes(kind: str, documents: int, dense: float, per_document: int = 4) -> list[Probe]:
