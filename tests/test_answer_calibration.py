@@ -97,10 +97,10 @@ def test_the_left_out_ceiling_stands_on_left_out_questions_that_found_another_do
     """In a scope of one document a left-out probe finds nothing (cosine 0): a ceiling of 0 would answer every
     question. Too few documents left out say nothing of a missing document on a topic the knowledge base holds."""
     answerable = _probes("answerable", 12, 0.8)
-    assert fit(answerable + _probes("left_out", 12, 0.6))[2]["left_out_ceiling"] == 0.6
-    assert fit(answerable + _probes("left_out", CEILING_DOCUMENTS - 1, 0.6))[2]["left_out_ceiling"] is None
-    assert fit(answerable + _probes("left_out", 12, 0.0))[2]["left_out_ceiling"] is None  # one document: nothing found
-    assert fit(answerable)[2]["left_out_ceiling"] is None
+    assert fit(answerable + _probes("left_out", 12, 0.6))[1]["left_out_ceiling"] == 0.6
+    assert fit(answerable + _probes("left_out", CEILING_DOCUMENTS - 1, 0.6))[1]["left_out_ceiling"] is None
+    assert fit(answerable + _probes("left_out", 12, 0.0))[1]["left_out_ceiling"] is None  # one document: nothing found
+    assert fit(answerable)[1]["left_out_ceiling"] is None
 
 
 def test_a_hyde_passage_is_never_compared_with_the_ceiling(newcomer_kb, embedder, settings):
