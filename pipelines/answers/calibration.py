@@ -20,15 +20,15 @@ and reported until issue 32, never fitted on; it was a fifth of a first ingest's
 The fit weighs answerable and left_out probes equally, so it answers at a confidence of 0.5 (ANSWER_AT): where the
 fit finds a probe as likely to be either. (It used to answer at the step of 0.05 with the best balanced accuracy on
 the probes; refitted on resamples of the same probes, that step moved from 0.3 to 0.8 on PubMedQA's knowledge base
-and from 0.45 to 0.65 on COVID-QA's: it followed the sample's noise, not the knowledge base.) It also keeps the
-*left-out ceiling*: the highest cosine any left_out probe's closest context reached (when left_out probes of
-CEILING_DOCUMENTS documents found one). A question whose closest context is closer than that is answered whatever
-its confidence. The confidence weighs whether one sentence answers, and the probes, made from sentences, teach it
-nothing else; but people often ask about a topic as a whole ("vasculitis: what can we do?", "what should I do about
-this burn?"), and find the right passage at a cosine no question about a document the knowledge base lacks reached,
-with no one sentence that matches them. The ceiling is the most cautious such line the probes allow: a left_out
-probe above it would have been answered (MEDIQA's consumer questions, bench/README.md). It is kept in the fit's
-report; a fit made before it has none until its next refit.
+and from 0.45 to 0.65 on COVID-QA's: it followed the sample's noise, not the knowledge base; a fit made then keeps
+its step until its next refit.) It also keeps the *left-out ceiling*: the highest cosine any left_out probe's
+closest context reached (when left_out probes of CEILING_DOCUMENTS documents found one). A question whose closest
+context is closer than that is answered whatever its confidence. The confidence weighs whether one sentence answers,
+and the probes, made from sentences, teach it nothing else; but people often ask about a topic as a whole
+("vasculitis: what can we do?", "what should I do about this burn?"), and find the right passage at a cosine no
+question about a document the knowledge base lacks reached, with no one sentence that matches them. The ceiling is
+the most cautious such line the probes allow: a left_out probe above it would have been answered (MEDIQA's consumer
+questions, bench/README.md). It is kept in the fit's report; a fit made before it has none until its next refit.
 
 A fit is per model and per scope (the sources every caller reads, and each group's), so that what a caller is told
 never depends on documents it cannot read; a scope with fewer than MIN_CHUNKS chunks keeps the default weights
