@@ -22,7 +22,10 @@ from pipelines.storage.database import connect
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("dataset", type=Path, help="the answer set folder `kb eval --answers` was given")
-    name = re.sub(r"[^a-z0-9]+", "_", parser.parse_args().dataset.resolve().name.lower())
+    dataset = parser.parse_args().dataset
+    if not (dataset / "corpus.jsonl").is_file():
+        parser.error(f"{dataset}: no corpus.jsonl; give the folder `kb eval --answers` was given")
+    name = re.sub(r"[^a-z0-9]+", "_", dataset.resolve().name.lower())
     settings = evaluation_settings(load_settings(), f"kb_eval_answers_{name}", None)  # as kb eval names it
     with connect(settings) as conn:
         embedder = query_embedder(conn, settings)
