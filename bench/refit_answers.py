@@ -9,11 +9,10 @@ what its scopes may read changed.
 from __future__ import annotations
 
 import argparse
-import re
 from pathlib import Path
 
 from pipelines.answers.calibration import calibrate, current
-from pipelines.evaluation.evaluate import evaluation_settings
+from pipelines.evaluation.evaluate import dataset_name, evaluation_settings
 from pipelines.retrieval.responses import query_embedder
 from pipelines.settings import load_settings
 from pipelines.storage.database import connect
@@ -25,7 +24,7 @@ def main() -> None:
     dataset = parser.parse_args().dataset
     if not (dataset / "corpus.jsonl").is_file():
         parser.error(f"{dataset}: no corpus.jsonl; give the folder `kb eval --answers` was given")
-    name = re.sub(r"[^a-z0-9]+", "_", dataset.resolve().name.lower())
+    name = dataset_name(dataset)
     settings = evaluation_settings(load_settings(), f"kb_eval_answers_{name}", None)  # as kb eval names it
     with connect(settings) as conn:
         embedder = query_embedder(conn, settings)

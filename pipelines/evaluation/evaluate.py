@@ -239,6 +239,11 @@ def own_database(settings, dbname: str) -> str:
     return url
 
 
+def dataset_name(dataset: Path) -> str:
+    """A dataset folder's name as its evaluation database and source are named after it (kb_eval_<name>)."""
+    return re.sub(r"[^a-z0-9]+", "_", dataset.resolve().name.lower())
+
+
 def evaluation_settings(settings, dbname: str, given: str | None):
     """The settings of the database an evaluation runs in: its own `dbname` (own_database), or the one given with
     --database-url, which kb eval installs kb's schema in when it is empty and never migrates. (`kb migrate` reads
@@ -267,7 +272,7 @@ def evaluate_dataset(settings, dataset: Path, split: str | None = None, database
     from pipelines.storage.database import connect
     from pipelines.storage.status import ingest_statistics
 
-    name = re.sub(r"[^a-z0-9]+", "_", dataset.resolve().name.lower())
+    name = dataset_name(dataset)
     split = check_dataset(dataset, split)
     settings = evaluation_settings(settings, f"kb_eval_{name}", database_url)
     queries, qrels, metadata = load_dataset_queries(dataset, split)
@@ -450,7 +455,7 @@ def evaluate_answer_dataset(settings, dataset: Path, groups: list[str], database
     kb_eval_answers_<name> database (or the one given), then scored with evaluate_answers."""
     from pipelines.storage.database import connect
 
-    name = re.sub(r"[^a-z0-9]+", "_", dataset.resolve().name.lower())
+    name = dataset_name(dataset)
     settings = evaluation_settings(settings, f"kb_eval_answers_{name}", database_url)
     cases = load_answer_set(dataset / "questions.jsonl")
     with connect(settings) as conn:
