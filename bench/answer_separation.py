@@ -24,8 +24,7 @@ def separation(run: dict) -> dict:
     for group in ("out_of_corpus", "unanswerable"):
         other = [q["confidence"] for q in questions if q["group"] == group]
         if answerable and other:
-            refused = [q["abstained"] for q in questions if q["group"] == group]
-            out[f"refused {group}"] = round(sum(refused) / len(refused), 3)
+            out[f"refused {group}"] = round(run["answers"]["refusals"][f"recall {group}"], 3)  # kb eval's own
             out[f"AUC vs {group}"] = round(float(roc_auc_score([1] * len(answerable) + [0] * len(other),
                                                                answerable + other)), 3)
     return out
