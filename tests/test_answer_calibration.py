@@ -6,7 +6,9 @@ from __future__ import annotations
 from dataclasses import replace
 from pathlib import Path
 
+import psycopg
 import pytest
+from psycopg import sql
 from fake_openai import FakeOpenAI, scripted_chat
 from test_answers import kb, with_chat
 
@@ -16,6 +18,7 @@ from pipelines.answers.calibration import CEILING_DOCUMENTS, DEFAULT, MIN_CHUNKS
 from pipelines.answers.evidence import Candidate, states_what_is_sought
 from pipelines.ingest.run import ingest
 from pipelines.retrieval.search import Filters, embed_query
+from pipelines.storage.database import connect
 from pipelines.sources.declarations import add_source, declare
 
 NEWCOMER_FAQ = Path(__file__).parent / "data" / "newcomer-faq" / "faq.jsonl"
@@ -259,6 +262,38 @@ def test_a_caller_is_never_answered_with_a_fit_over_sources_it_cannot_read(conn,
     assert probes == [("faq",)]  # the public fit never read the board's chunks
     result = answer_question(conn, settings, "Can I work abroad?", filters=Filters(groups=[]))
     assert result["calibration"]["scope"] == "public"
+
+
+def _public_probes(conn) -> list[tuple[str, str]]:
+    return conn.execute("SELECT p.kind, p.question FROM answer_probes p JOIN answer_calibrations c"
+                        " USING (calibration_id) WHERE c.scope_group = '' ORDER BY p.probe").fetchall()
+
+
+def test_the_public_fit_is_the_same_whatever_else_the_knowledge_base_holds(conn, embedder, settings, server_url,
+                                                                           tmp_path):
+    """A source only a group reads, ingested first, moved the public chunks' ids, and the public fit's probes with
+    them (their reworded word was drawn by chunk id): a public caller's confidence depended on documents it cannot
+    read (the hostile review's find)."""
+    secret = tmp_path / "secret.jsonl"
+    secret.write_text("".join(f'{{"_id": "s{n}", "title": "Project {n}", "text": "Project {n} budget is'
+                              f' {n * 1000} EUR, approved by the board in week {n}."}}\n' for n in range(30)))
+    add_source(conn, declare("board", secret, groups=["board"]), "tests")
+    ingest(conn, embedder, settings)
+    add_source(conn, declare("faq", NEWCOMER_FAQ), "tests")
+    ingest(conn, embedder, settings)
+    dbname = f"{conn.info.dbname}_alone"
+    with psycopg.connect(server_url, autocommit=True) as admin:
+        admin.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(dbname)))
+    try:
+        info = psycopg.conninfo.conninfo_to_dict(settings.database_url)
+        alone = replace(settings, database_url=psycopg.conninfo.make_conninfo(**{**info, "dbname": dbname}))
+        with connect(alone) as other:
+            add_source(other, declare("faq", NEWCOMER_FAQ), "tests")
+            ingest(other, embedder, alone)
+            assert _public_probes(other) == _public_probes(conn) != []
+    finally:
+        with psycopg.connect(server_url, autocommit=True) as admin:
+            admin.execute(sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(dbname)))
 
 
 def test_a_source_restricted_after_the_fit_is_not_read_through_it(conn, embedder, settings, tmp_path):

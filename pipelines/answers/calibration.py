@@ -230,7 +230,9 @@ def build_probes(conn: psycopg.Connection, scope: Readable, limit: int = PROBE_C
                   for lexemes in word_lexemes[at:at + len(words)]]
         at += len(words)
         by_rarity = sorted(range(len(words)), key=lambda n: (-rarity[n], n))
-        stranger = foreign[zlib.crc32(f"{chunk_id}:{words}".encode()) % len(foreign)]
+        # Drawn by the probe's own words: a chunk's id depends on what else was ingested first, hidden sources too,
+        # and a public fit must not (what a caller is told never depends on what it cannot read).
+        stranger = foreign[zlib.crc32(" ".join(words).encode()) % len(foreign)]
         middling = set(by_rarity[len(by_rarity) // 3:][:REWORDED])
         reworded = [stranger if n in middling else w for n, w in enumerate(words)]
         probes += [Probe(chunk_id, source, locator, kind, _probe(question)) for kind, question in (
