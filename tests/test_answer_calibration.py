@@ -3,6 +3,7 @@ base itself per embedding model, messages that carry a situation, yes/no questio
 
 from __future__ import annotations
 
+import math
 from dataclasses import replace
 from pathlib import Path
 
@@ -88,6 +89,16 @@ def test_a_context_closer_than_any_left_out_question_came_answers_though_no_sent
     assert not _weighed(0.7, fitted)["answers"]  # the ceiling itself was reached by a left-out question
     assert not _weighed(0.95, DEFAULT)["answers"]  # the default weights have no probes, so no ceiling
     assert not _weighed(0.70004, fitted)["answers"]  # compared as the probes' cosines are stored: to 4 places
+
+
+def test_the_reason_never_rounds_a_confidence_across_its_threshold():
+    """A refused question's reason said "confidence 0.50 < 0.5" (it was 0.496; the hostile review's find): shown to
+    two places, the confidence is cut, not rounded."""
+    just_under = Calibration((math.log(0.496 / 0.504), 0.0, 0.0, 0.0, 0.0), 0.5, "knowledge base")
+    refused = _weighed(0.3, just_under)
+    assert not refused["answers"] and "confidence 0.49 < 0.5 (" in refused["why"], refused["why"]
+    answered = _weighed(0.3, Calibration((0.0, 0.0, 0.0, 0.0, 0.0), 0.5, "knowledge base"))
+    assert answered["answers"] and "confidence 0.50 >= 0.5 (" in answered["why"], answered["why"]
 
 
 def _probes(kind: str, documents: int, dense: float, per_document: int = 4) -> list[Probe]:

@@ -21,6 +21,7 @@ writes) and contextual compression (keep only the sentences of each context that
 
 from __future__ import annotations
 
+import math
 import re
 import time
 from dataclasses import asdict, dataclass, field, replace
@@ -257,7 +258,8 @@ def weigh(contexts: list[Context], codes: list[str], held: list[int], ranked: li
     near = max((c.similarity for c in contexts if c.n <= EXTRACT_CONTEXTS and c.similarity is not None), default=0.0)
     closer = ceiling is not None and round(near, 4) > ceiling
     answers = bool(contexts) and (bool(held) or score >= calibration.answer_at or closer)
-    weighed = (f"confidence {score:.2f} {'>=' if score >= calibration.answer_at else '<'} {calibration.answer_at}"
+    shown = math.floor(score * 100 + 1e-9) / 100  # cut, not rounded: a refused 0.496 is not "0.50 < 0.5"
+    weighed = (f"confidence {shown:.2f} {'>=' if score >= calibration.answer_at else '<'} {calibration.answer_at}"
                f" ({calibration.origin} calibration; closest context's similarity {dense:.2f}; the contexts hold"
                f" {lexical:.0%} of the question's rare words)")
     if not contexts:
