@@ -141,6 +141,18 @@ def test_offline_answers_are_extracted_sentences_with_checked_citations(samples_
     assert all(c["status"] in ("VALID", "WEAK") for s in result["sentences"] for c in s["citations"])
 
 
+def test_a_question_is_read_as_the_documents_were(samples_kb, settings):
+    """Full-width letters and a terminal's colour codes stayed in the question (search normalised them, answers did
+    not): the full-width code was not found and "31mhow" counted as a missing rare word (the hostile review's find)."""
+    plain = answer_question(samples_kb, settings, "HR-2024-047?")
+    wide = answer_question(samples_kb, settings, "".join(chr(ord(c) + 0xFEE0) for c in "HR-2024-047?"))  # full width
+    assert not plain["abstained"] and (wide["answer"], wide["evidence"]) == (plain["answer"], plain["evidence"])
+    asked = "How many weeks of paid leave does a primary caregiver get?"
+    coloured = answer_question(samples_kb, settings, f"\x1b[2J\x1b[31m{asked}\x1b[0m")
+    assert coloured["evidence"] == answer_question(samples_kb, settings, asked)["evidence"]
+    assert coloured["question"] == f"\x1b[2J\x1b[31m{asked}\x1b[0m"  # the caller's own words, as asked
+
+
 def test_the_chat_endpoint_is_retried_through_429_500_and_timeouts(samples_kb, settings):
     with FakeOpenAI(chat=scripted_chat(), failures=[429, 500, "hang"]) as fake:
         result = answer_question(samples_kb, with_chat(settings, fake, openai_timeout_s=0.5),

@@ -38,7 +38,7 @@ from pipelines.answers.short_answer import asks_for_value, short_answer
 from pipelines.ingest.report import NO_PROGRESS, Progress
 from pipelines.ingest.sentences import split_sentences
 from pipelines.models.chat import ChatNotConfigured, complete, openai_client
-from pipelines.retrieval.search import Filters, cited, embed_query
+from pipelines.retrieval.search import Filters, cited, embed_query, normalised_query
 from pipelines.settings import Settings
 
 NOT_FOUND = "not found in the documents"
@@ -164,13 +164,14 @@ def answer_question(conn: psycopg.Connection, settings: Settings, question: str,
     filters = filters or Filters()
     embedder = query_embedder(conn, settings)
     client = openai_client(settings) if settings.chat_model else None
-    message = asked(question)
-    message_vector = embed_query(embedder, question)  # once: retrieval, and the evidence when there is no situation
+    read = normalised_query(question)  # as the documents were read: full-width letters, a terminal's colour codes
+    message = asked(read)
+    message_vector = embed_query(embedder, read)  # once: retrieval, and the evidence when there is no situation
     vector = None
     if hyde:
         if client is None:
             raise ChatNotConfigured("HyDE needs a chat model: set KB_CHAT_MODEL")
-        vector = embed_query(embedder, complete(client, settings.chat_model, HYDE_PROMPT.format(question=question)))
+        vector = embed_query(embedder, complete(client, settings.chat_model, HYDE_PROMPT.format(question=read)))
     calibration = current(conn, embedder.model_key, filters.groups)
     gathered = gather(conn, settings, embedder, message, k, mode=mode, filters=filters, rerank=rerank,
                       calibration=calibration, message_vector=message_vector, vector=vector, compress=compress)
@@ -190,7 +191,7 @@ def answer_question(conn: psycopg.Connection, settings: Settings, question: str,
     if client is not None:
         prompt = PROMPT + (YES_NO_PROMPT if message.yes_no else "")
         reply = complete(client, settings.chat_model, prompt.format(
-            question=question, contexts="\n".join(f"[{c.n}] {c.label()} {c.text}" for c in contexts)))
+            question=read, contexts="\n".join(f"[{c.n}] {c.label()} {c.text}" for c in contexts)))
         if DECLINES.search(reply):
             timings["generate_s"] = round(time.perf_counter() - started, 3)
             return _abstain(result, contexts, "the model found no answer in the contexts")

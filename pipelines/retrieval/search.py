@@ -22,6 +22,7 @@ from psycopg import sql
 
 from pipelines.ingest.cards import CARD_KIND as CARD
 from pipelines.ingest.clean import normalise
+from pipelines.ingest.decoding import without_controls
 from pipelines.models.embedders import Embedder
 from pipelines.retrieval.query_class import QueryClass, classify
 from pipelines.retrieval.readable import DOCUMENTS as READABLE_DOCUMENTS
@@ -215,6 +216,12 @@ def _within(conn: psycopg.Connection, filters: Filters, predicate: sql.Composabl
     return [r[0] for r in rows] if len(rows) <= FILTER_FIRST_MAX else None
 
 
+def normalised_query(query: str) -> str:
+    """A query read as the chunks were (pipelines/ingest/decoding.py, clean.py): terminal codes and control characters
+    dropped, ligatures spelled out, full-width letters ASCII ("ﬁle" finds "file", "ＨＲ－２０２４－０４７" the code)."""
+    return normalise(without_controls(query))
+
+
 def search_explained(conn: psycopg.Connection, embedder: Embedder, query: str, k: int = 5, *, arm: str = "hybrid",
                      lexical_weight: float | None = None, k_overfetch: int = 20, filters: Filters | None = None,
                      model_key: str | None = None, vector: np.ndarray | None = None,
@@ -229,7 +236,7 @@ def search_explained(conn: psycopg.Connection, embedder: Embedder, query: str, k
         raise ValueError(f"mode must be one of {', '.join(MODES)}")
     if lexical_weight is not None and not 0 <= lexical_weight <= 1:
         raise ValueError("lexical_weight must be between 0 and 1")
-    query = normalise(query)  # as the chunks were (pipelines/ingest/clean.py): "ﬁle" finds "file"
+    query = normalised_query(query)
     filters = dataclasses.replace(filters or Filters(), cards=MODES[mode])
     visible = filters.readable(conn)
     query_class = classify(conn, query, visible.keys, {"dense": 0.0, "lexical": 1.0}.get(arm, lexical_weight),
