@@ -127,6 +127,18 @@ def test_the_answer_reports_the_short_value_the_question_asks_for(company, setti
                         "Employees get 10 days of family care leave.") == "10 days"
 
 
+def test_a_short_answer_never_cuts_a_code_or_leaves_a_bracket_open():
+    """spaCy splits "HR-2024-047" at its last hyphen: the short answer was "policy HR-2024", for "What is policy
+    HR-2023-031?" "policy HR-2023" (the question's own code, cut), and "(duplicate_table" kept its bracket (the
+    hostile review's finds)."""
+    assert short_answer("Which policy covers parental leave?",
+                        "Parental leave is covered by policy HR-2024-047.") == "policy HR-2024-047"
+    assert short_answer("What is policy HR-2023-031?", "Engineers on call receive a weekly allowance, as policy"
+                        " HR-2023-031 says.") == "a weekly allowance"
+    assert short_answer("Which error does a second CREATE TABLE raise?",
+                        "A second CREATE TABLE raises 42P07 (duplicate_table.") == "42P07"
+
+
 def test_a_question_asking_for_a_value_is_answered_by_a_sentence_near_the_top_that_holds_one():
     """The sentence that reads closest to "When was order 559001 delivered?" names the order but not the date; the
     next one, from another context and nearly as close, says the date: it answers. With none holding a date, the best

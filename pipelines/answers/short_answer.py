@@ -48,6 +48,7 @@ _HOW_WORD = re.compile(r"\bhow\s+(many|much|long|far|old|often|large|big|tall|hi
 _WH = re.compile(r"\b(who|whom|whose|where|when|what|which)\b", re.I)
 _YEARS = re.compile(r"1\d{3}|20\d{2}|1\d{3}\s*[-–]\s*(?:1\d{3}|20\d{2}|\d{2})|20\d{2}\s*[-–]\s*(?:20\d{2}|\d{2})")
 _FIRST_WH = re.compile(r"\b(who|whom|whose|where|when|what|which|how|why)\b", re.I)
+_CODE = re.compile(r"[A-Za-z0-9]+(?:[-_./#][A-Za-z0-9]+)+")  # HR-2024-047, v1.2.3, max_wal_senders
 
 
 @lru_cache(maxsize=1)
@@ -119,15 +120,15 @@ def short_answer(question: str, sentence: str) -> str | None:
 def _cut(question: str, sentence: str, labels: tuple[str, ...] | None, phrases: bool) -> str | None:
     nlp = _nlp()
     doc = nlp(sentence)
-    asked = {t.lower_ for t in nlp.make_doc(question) if not t.is_stop and not t.is_punct}
+    asked = {t.lower_ for t in nlp.make_doc(question) if not t.is_stop and not t.is_punct} | _words(question)
     stems = {w[:5] for w in asked if len(w) > 4}  # "American" is said by "America"
     anchors = [t.i for t in doc if t.lower_ in asked or (len(t.text) > 4 and t.lower_[:5] in stems)]
     wh = _WH.search(question)
     nouns = set(_asked_nouns(question, wh.end())) - {"is", "was", "are", "were", "did", "does", "do"} if wh else set()
 
-    def new(span) -> bool:
+    def new(text: str) -> bool:
         return any(w not in asked and (len(w) <= 4 or w[:5] not in stems)
-                   for w in _words(span.text) - {"the", "a", "an", "of", "and", "in"})
+                   for w in _words(text) - {"the", "a", "an", "of", "and", "in"})
 
     spans = []
     if labels is not None:
@@ -145,12 +146,29 @@ def _cut(question: str, sentence: str, labels: tuple[str, ...] | None, phrases: 
             spans.append((len(labels or ()) + (0 if _words(span.text) & nouns else 1), span))
     found = []
     for rank, span in spans:
-        if not new(span) or len(span) > MAX_WORDS:
+        text = _whole(sentence, span.start_char, span.end_char)
+        if not new(text) or len(span) > MAX_WORDS:
             continue
         distance = min((min(abs(span.start - a), abs(span.end - 1 - a)) for a in anchors
                         if not span.start <= a < span.end), default=0)
-        found.append((rank, distance, span.start, re.sub(r"['’]s$", "", span.text.strip(" ,.;"))))
+        found.append((rank, distance, span.start, re.sub(r"['’]s$", "", text)))
     return min(found)[3] if found else None
+
+
+def _whole(sentence: str, start: int, end: int) -> str:
+    """The sentence's text from start to end, widened to the whole of a code with digits that it cuts (spaCy splits
+    "HR-2024-047" at its last hyphen: the answer was "policy HR-2024"), without a bracket it leaves open (what
+    stands before it: "42P07 (duplicate_table" is "42P07") or the punctuation around it."""
+    for code in _CODE.finditer(sentence):
+        if any(c.isdigit() for c in code.group()) and (code.start() < start < code.end() or
+                                                        code.start() < end < code.end()):
+            start, end = min(start, code.start()), max(end, code.end())
+    text = sentence[start:end].strip(" ,.;:")
+    for opening, closing in ("()", "[]"):
+        if (opening in text) != (closing in text):  # what stands before the lone bracket, else what follows it
+            before, _, after = text.partition(opening if opening in text else closing)
+            text = before.strip(" ,.;:") or after.strip(" ,.;:")
+    return text
 
 
 def _with_of(doc, chunk, chunks: dict):
