@@ -153,6 +153,15 @@ def test_a_question_is_read_as_the_documents_were(samples_kb, settings):
     assert coloured["question"] == f"\x1b[2J\x1b[31m{asked}\x1b[0m"  # the caller's own words, as asked
 
 
+def test_a_code_the_documents_do_not_hold_is_not_answered_with_another(samples_kb, settings):
+    """"HR-2024-048?" was answered with HR-2024-047's policy at confidence 0.64 (the hostile review's find)."""
+    other = answer_question(samples_kb, settings, "HR-2024-048?")
+    assert other["abstained"] and other["reason"] == "the documents hold HR-2024-047, not HR-2024-048"
+    assert not answer_question(samples_kb, settings, "HR-2024-047?")["abstained"]
+    years = answer_question(samples_kb, settings, "What was the revenue in 2031?")  # a year has no make of its own
+    assert "not 2031" not in (years["reason"] or "")
+
+
 def test_the_chat_endpoint_is_retried_through_429_500_and_timeouts(samples_kb, settings):
     with FakeOpenAI(chat=scripted_chat(), failures=[429, 500, "hang"]) as fake:
         result = answer_question(samples_kb, with_chat(settings, fake, openai_timeout_s=0.5),

@@ -128,13 +128,14 @@ def gather(conn: psycopg.Connection, settings: Settings, embedder, asked: Asked,
         contexts = _compressed(embedder, focus, contexts)
     terms = ev.question_terms(conn, asked.question, filters.readable(conn).keys, filters.as_of)
     lexemes = _read_contexts(conn, contexts, terms)
-    held = code_holders(contexts, query_class.identifiers, ev.question_codes(asked.question))
+    named = ev.question_codes(asked.question)
+    held = code_holders(contexts, query_class.identifiers, named)
     scope = [c for c in contexts if c.n <= EXTRACT_CONTEXTS or c.n in held]  # what may answer
     ranked = ranked_sentences(embedder, focus, scope, terms, lexemes)
     if vector is not None and not asked.situation:  # HyDE: the contexts' cosines are to a passage a model made up,
         calibration = replace(calibration, left_out_ceiling=None)  # not to a question like the probes'
     return Gathered(contexts, lexemes, held, ranked, weigh(contexts, query_class.identifiers, held, ranked,
-                                                            calibration))
+                                                            calibration, named))
 
 
 def probe_features(conn: psycopg.Connection, settings: Settings, embedder, probes: list,
@@ -244,11 +245,12 @@ def code_holders(contexts: list[Context], codes: list[str], asked: list[str]) ->
 
 
 def weigh(contexts: list[Context], codes: list[str], held: list[int], ranked: list[ev.Candidate],
-          calibration: Calibration = DEFAULT) -> dict:
+          calibration: Calibration = DEFAULT, named: tuple[str, ...] | list[str] = ()) -> dict:
     """Whether the contexts answer the question, and the evidence for it (contexts' coverage already set): the
     calibrated confidence (calibration.py) over the contexts and the best sentence of the first EXTRACT_CONTEXTS of
     them (`ranked`, best first), a closest context above the calibration's left-out ceiling, or the code rule
-    (`held`, from code_holders)."""
+    (`held`, from code_holders). Never when the question names a code (`named`) that no context holds while one
+    holds another of its make: "HR-2024-048?" was answered with HR-2024-047's policy."""
     dense = max((c.similarity for c in contexts if c.similarity is not None), default=0.0)
     top = max(contexts, key=lambda c: c.similarity if c.similarity is not None else -1.0, default=None)
     lexical = max((c.coverage for c in contexts), default=0.0)
@@ -258,13 +260,18 @@ def weigh(contexts: list[Context], codes: list[str], held: list[int], ranked: li
     ceiling = calibration.left_out_ceiling  # the probes' cosines are rounded as this returns them, and from k=5
     near = max((c.similarity for c in contexts if c.n <= EXTRACT_CONTEXTS and c.similarity is not None), default=0.0)
     closer = ceiling is not None and round(near, 4) > ceiling
-    answers = bool(contexts) and (bool(held) or score >= calibration.answer_at or closer)
+    texts = [f"{c.section} {c.text}" for c in contexts]
+    instead = {code: other for code in named if not any(ev.holds_code(text, code) for text in texts)
+               and (other := next(filter(None, (ev.held_instead(text, code) for text in texts)), None))}
+    answers = bool(contexts) and not instead and (bool(held) or score >= calibration.answer_at or closer)
     shown = math.floor(score * 100 + 1e-9) / 100  # cut, not rounded: a refused 0.496 is not "0.50 < 0.5"
     weighed = (f"confidence {shown:.2f} {'>=' if score >= calibration.answer_at else '<'} {calibration.answer_at}"
                f" ({calibration.origin} calibration; closest context's similarity {dense:.2f}; the contexts hold"
                f" {lexical:.0%} of the question's rare words)")
     if not contexts:
         why = "nothing readable matches the question"
+    elif instead:
+        why = "; ".join(f"the documents hold {other}, not {code}" for code, other in instead.items())
     elif held:
         why = f"answered: a context holds {', '.join(codes)} with the rest of the question"
     elif answers and score < calibration.answer_at:

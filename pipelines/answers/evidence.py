@@ -132,6 +132,19 @@ def holds_code(text: str, code: str) -> bool:
     return _compact(code) in {_compact(t) for t in _TOKEN.findall(text)}
 
 
+def held_instead(text: str, code: str) -> str | None:
+    """A code of the same make that the text holds in place of `code` ("HR-2024-047" for "HR-2024-048": the same
+    letters, other digits), or None. Only a code of letters and digits has a make: a year or a number has none."""
+    make = _make(code)
+    if not (re.search(r"[a-z]", make) and "0" in make):
+        return None
+    return next((t for t in _TOKEN.findall(text) if _make(t) == make and _compact(t) != _compact(code)), None)
+
+
+def _make(token: str) -> str:
+    return re.sub(r"\d+", "0", _compact(token))
+
+
 def states_what_is_sought(sentence: str) -> bool:
     """The sentence states a question or an aim (_SOUGHT) rather than an answer: never the one that decides a yes/no
     question, though it repeats its words. One that goes on to say what was found ("We tested whether it restores:
