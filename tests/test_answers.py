@@ -162,6 +162,19 @@ def test_a_code_the_documents_do_not_hold_is_not_answered_with_another(samples_k
     assert "not 2031" not in (years["reason"] or "")
 
 
+def test_a_question_answered_for_its_close_context_is_answered_from_it(samples_kb, settings):
+    """"spare parts price list": the price list is closer than any left-out probe came (the ceiling answers), and
+    the answer was a sentence of the manual at similarity 0.20 (the hostile review's find)."""
+    result = answer_question(samples_kb, settings, "spare parts price list")
+    assert not result["abstained"] and "above any that a question" in result["evidence"]["why"]
+    documents = {c["chunk_id"]: c["document"] for c in result["contexts"]}
+    cited = {documents[c["chunk_id"]] for s in result["sentences"] for c in s["citations"]}
+    assert cited == {"samples:products/spare-parts-prices.xlsx"}, result["answer"]
+    nearer = result["evidence"]["nearer_than_ceiling"]
+    assert [documents[c["chunk_id"]] for c in result["contexts"] if c["n"] in nearer] == [
+        "samples:products/spare-parts-prices.xlsx"]
+
+
 def test_the_chat_endpoint_is_retried_through_429_500_and_timeouts(samples_kb, settings):
     with FakeOpenAI(chat=scripted_chat(), failures=[429, 500, "hang"]) as fake:
         result = answer_question(samples_kb, with_chat(settings, fake, openai_timeout_s=0.5),

@@ -188,7 +188,8 @@ def answer_question(conn: psycopg.Connection, settings: Settings, question: str,
     if not found["answers"]:
         return _abstain(result, contexts, found["why"])
     started = time.perf_counter()
-    pool = [c for c in contexts if c.n in held] or contexts[:EXTRACT_CONTEXTS]
+    pool = ([c for c in contexts if c.n in held] or [c for c in contexts if c.n in found["nearer_than_ceiling"]]
+            or contexts[:EXTRACT_CONTEXTS])  # a context the ceiling answered for answers, not a distant one
     if client is not None:
         prompt = PROMPT + (YES_NO_PROMPT if message.yes_no else "")
         reply = complete(client, settings.chat_model, prompt.format(
@@ -260,6 +261,8 @@ def weigh(contexts: list[Context], codes: list[str], held: list[int], ranked: li
     ceiling = calibration.left_out_ceiling  # the probes' cosines are rounded as this returns them, and from k=5
     near = max((c.similarity for c in contexts if c.n <= EXTRACT_CONTEXTS and c.similarity is not None), default=0.0)
     closer = ceiling is not None and round(near, 4) > ceiling
+    nearer = [c.n for c in contexts if closer and score < calibration.answer_at and c.n <= EXTRACT_CONTEXTS
+              and c.similarity is not None and round(c.similarity, 4) > ceiling]  # what the ceiling answers from
     texts = [f"{c.section} {c.text}" for c in contexts]
     instead = {code: other for code in named if not any(ev.holds_code(text, code) for text in texts)
                and (other := next(filter(None, (ev.held_instead(text, code) for text in texts)), None))}
@@ -284,7 +287,7 @@ def weigh(contexts: list[Context], codes: list[str], held: list[int], ranked: li
                + (f"; no context holds {', '.join(codes)} with the rest of the question" if codes else ""))
     return {"confidence": round(score, 4), "dense": round(dense, 4), "lexical": round(lexical, 4),
             "lexical_of_dense_top": round(of_top, 4), "best_sentence": round(best, 4), "codes": codes,
-            "code_held": held, "answers": answers, "why": why}
+            "code_held": held, "nearer_than_ceiling": nearer, "answers": answers, "why": why}
 
 
 def _shown(context: Context) -> dict:
