@@ -243,6 +243,7 @@ def test_a_file_name_cannot_forge_a_line_of_output(settings, tmp_path):
 def test_kb_serve_stopped_with_sigterm_stops_the_embedded_server(tmp_path):
     import signal
     import time
+    import urllib.error
     import urllib.request
 
     env = {k: v for k, v in os.environ.items() if k != "DATABASE_URL"} | {"KB_HOME": str(tmp_path / "home")}
@@ -254,13 +255,16 @@ def test_kb_serve_stopped_with_sigterm_stops_the_embedded_server(tmp_path):
     pid_file = tmp_path / "home" / "pgdata" / "postmaster.pid"
     try:
         deadline = time.monotonic() + 300
-        while time.monotonic() < deadline:
+        while True:  # until it answers: a home without `kb migrate` answers 503, which is up (the wait took all 300 s)
             try:
-                urllib.request.urlopen(f"http://127.0.0.1:{port}/docs", timeout=5)
+                urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5)
+                break
+            except urllib.error.HTTPError:
                 break
             except OSError:
+                assert server.poll() is None and time.monotonic() < deadline, "the server never came up"
                 time.sleep(0.2)
-        assert pid_file.exists(), "the server never came up"
+        assert pid_file.exists(), "the embedded PostgreSQL never started"
         server.send_signal(signal.SIGTERM)
         assert server.wait(timeout=120) == 0
     finally:
