@@ -14,6 +14,7 @@ from cli_runs import ingest, kb
 from pipelines.answers.answer import _contexts
 from pipelines.ingest.clean import clean, normalise, rejoin_broken_words
 from pipelines.ingest.elements import Element
+from pipelines.retrieval.responses import retrieve
 from pipelines.retrieval.search import Filters, search
 
 MANUAL = Path(__file__).parent / "data" / "manuals" / "libtasn1.pdf"
@@ -112,6 +113,8 @@ def test_a_ligature_in_a_document_or_a_query_is_the_letters_it_stands_for(settin
     for query in ("IDL file", "file", "\ufb01le"):
         found = search(conn, embedder, query, 3, arm="lexical", filters=Filters())
         assert found and "IDL file" in found[0].content, query
+    plain, ligature = (retrieve(conn, settings, query, 3, arm="dense")[1] for query in ("IDL file", "IDL \ufb01le"))
+    assert [h.dense_score for h in ligature] == [h.dense_score for h in plain]  # embedded as read, not as typed
 
 
 def test_a_text_in_several_documents_fills_one_place_in_the_results(settings, conn, embedder, tmp_path):

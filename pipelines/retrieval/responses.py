@@ -14,6 +14,7 @@ from pipelines.retrieval.search import (
     Filters,
     add_highlights,
     embed_query,
+    normalised_query,
     search_explained,
 )
 from pipelines.settings import Settings
@@ -97,6 +98,7 @@ def retrieve(conn: psycopg.Connection, settings: Settings, query: str, k: int = 
     """(query class, top-k hits) with the active model. The optional stages (reranker when configured, MMR
     diversity, freshness boost) work on the over-fetched candidates. `vector` replaces the query's own embedding
     in the dense arm (HyDE)."""
+    query = normalised_query(query)  # embedded, reranked and searched as the documents were read
     model = _serving_model(conn)
     embedder = _query_embedder(conn, model, settings)
     reranker = _reranker(settings) if rerank else None
