@@ -120,7 +120,9 @@ def short_answer(question: str, sentence: str) -> str | None:
 def _cut(question: str, sentence: str, labels: tuple[str, ...] | None, phrases: bool) -> str | None:
     nlp = _nlp()
     doc = nlp(sentence)
-    asked = {t.lower_ for t in nlp.make_doc(question) if not t.is_stop and not t.is_punct} | _words(question)
+    asked = {t.lower_ for t in nlp.make_doc(question) if not t.is_stop and not t.is_punct}
+    # and the parts of its codes, however spaCy cut them ("HR-2023-031": hr, 2023, 031)
+    asked |= {w for code in _CODE.findall(question) if any(c.isdigit() for c in code) for w in _words(code)}
     stems = {w[:5] for w in asked if len(w) > 4}  # "American" is said by "America"
     anchors = [t.i for t in doc if t.lower_ in asked or (len(t.text) > 4 and t.lower_[:5] in stems)]
     wh = _WH.search(question)
