@@ -255,6 +255,38 @@ def test_a_sentence_that_asks_is_not_the_answer():
     assert _extract(pool, [heading]) == [(heading.text, [1])]  # nothing else: the best as always
 
 
+def test_the_contexts_the_ceiling_answered_for_answer_when_they_hold_a_sentence():
+    """The answer comes from the contexts closer than the ceiling; one that holds no sentence (an FAQ chunk of
+    questions) leaves it to the others instead of refusing (the review's find)."""
+    pool = [Context(1, 1, "faq:q", "", "", 0.8), Context(2, 2, "docs:a", "", "", 0.62)]
+    near = Candidate("The price list has every part.", 1, score=3.0)
+    far = Candidate("Submit form HR-7 to your manager.", 2, score=5.0)
+    assert _extract(pool, [far, near], near={1}) == [(near.text, [1])]
+    assert _extract(pool, [far], near={1}) == [(far.text, [2])]
+
+
+def _refused_for_another_make(named: str, text: str) -> str | None:
+    context = Context(1, 1, "docs:a", "", text, 0.85)
+    weighed = weigh([context], [], [], [], Calibration((0.0, 0.0, 0.0, 0.0, 0.0), 0.5, "knowledge base"), [named])
+    return None if weighed["answers"] else weighed["why"]
+
+
+@pytest.mark.parametrize("named, text", [
+    ("python3", "It works with python3.11 and later."), ("x86", "Builds are for x86_64 only."),
+    ("5pm", "The office closes at 6pm."), ("SARS-CoV-2", "SARS\u2010CoV\u20102 differs from SARS-CoV-1."),
+    ("HR-2024-047", "See HR 2024-047; HR-2023-031 is older."), ("COVID-2019", "COVID-19 cases rose."),
+    ("ISO27001", "We hold ISO 27001 and ISO9001."), ("v2", "Release v2.3 adds search.")])
+def test_a_code_the_documents_write_otherwise_is_not_taken_for_another(named, text):
+    """Each was refused as "the documents hold X, not Y" by the rule's first version (the review's finds): another
+    spelling, a longer version, a time, a code with few digits."""
+    assert _refused_for_another_make(named, text) is None
+
+
+def test_a_code_of_another_make_is_named_in_the_refusal():
+    assert _refused_for_another_make("ERR-5012", "ERR-7781 means the belt slipped.") == \
+        "the documents hold ERR-7781, not ERR-5012"
+
+
 def test_a_caller_is_never_answered_with_a_fit_over_sources_it_cannot_read(conn, embedder, settings, tmp_path):
     public = tmp_path / "public.jsonl"
     public.write_text(NEWCOMER_FAQ.read_text())

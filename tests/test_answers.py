@@ -158,8 +158,6 @@ def test_a_code_the_documents_do_not_hold_is_not_answered_with_another(samples_k
     other = answer_question(samples_kb, settings, "HR-2024-048?")
     assert other["abstained"] and other["reason"] == "the documents hold HR-2024-047, not HR-2024-048"
     assert not answer_question(samples_kb, settings, "HR-2024-047?")["abstained"]
-    years = answer_question(samples_kb, settings, "What was the revenue in 2031?")  # a year has no make of its own
-    assert "not 2031" not in (years["reason"] or "")
 
 
 def test_a_question_answered_for_its_close_context_is_answered_from_it(samples_kb, settings):

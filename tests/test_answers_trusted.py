@@ -137,6 +137,9 @@ def test_a_short_answer_never_cuts_a_code_or_leaves_a_bracket_open():
                         " HR-2023-031 says.") == "a weekly allowance"
     assert short_answer("Which error does a second CREATE TABLE raise?",
                         "A second CREATE TABLE raises 42P07 (duplicate_table.") == "42P07"
+    # the question's code says nothing new, a part of it may
+    assert short_answer("When was policy HR-2023-031 issued?", "Policy HR-2023-031 was issued in 2023.") == "2023"
+    assert short_answer("How many days does ERR-30 allow?", "ERR-30 allows 30 days.") == "30 days"
 
 
 def test_a_question_asking_for_a_value_is_answered_by_a_sentence_near_the_top_that_holds_one():

@@ -188,8 +188,7 @@ def answer_question(conn: psycopg.Connection, settings: Settings, question: str,
     if not found["answers"]:
         return _abstain(result, contexts, found["why"])
     started = time.perf_counter()
-    pool = ([c for c in contexts if c.n in held] or [c for c in contexts if c.n in found["nearer_than_ceiling"]]
-            or contexts[:EXTRACT_CONTEXTS])  # a context the ceiling answered for answers, not a distant one
+    pool = [c for c in contexts if c.n in held] or contexts[:EXTRACT_CONTEXTS]
     if client is not None:
         prompt = PROMPT + (YES_NO_PROMPT if message.yes_no else "")
         reply = complete(client, settings.chat_model, prompt.format(
@@ -203,7 +202,8 @@ def answer_question(conn: psycopg.Connection, settings: Settings, question: str,
         sentences, unsupported = _supported(conn, _cited_sentences(reply, contexts), contexts, lexemes)
     else:
         asks = not message.yes_no and asks_for_value(message.question)
-        sentences, unsupported = _extract(pool, ranked, message.question if asks else None, message.yes_no), []
+        sentences, unsupported = _extract(pool, ranked, message.question if asks else None, message.yes_no,
+                                          set(found["nearer_than_ceiling"])), []
         if not message.yes_no:  # from the first sentence that holds one
             result["short_answer"] = next(filter(None, (short_answer(message.question, s) for s, _ in sentences)), None)
     timings["generate_s"] = round(time.perf_counter() - started, 3)
@@ -263,9 +263,8 @@ def weigh(contexts: list[Context], codes: list[str], held: list[int], ranked: li
     closer = ceiling is not None and round(near, 4) > ceiling
     nearer = [c.n for c in contexts if closer and score < calibration.answer_at and c.n <= EXTRACT_CONTEXTS
               and c.similarity is not None and round(c.similarity, 4) > ceiling]  # what the ceiling answers from
-    texts = [f"{c.section} {c.text}" for c in contexts]
-    instead = {code: other for code in named if not any(ev.holds_code(text, code) for text in texts)
-               and (other := next(filter(None, (ev.held_instead(text, code) for text in texts)), None))}
+    whole = " ".join(f"{c.section} {c.text}" for c in contexts)
+    instead = {code: other for code in named if (other := ev.held_instead(whole, code))}
     answers = bool(contexts) and not instead and (bool(held) or score >= calibration.answer_at or closer)
     shown = math.floor(score * 100 + 1e-9) / 100  # cut, not rounded: a refused 0.496 is not "0.50 < 0.5"
     weighed = (f"confidence {shown:.2f} {'>=' if score >= calibration.answer_at else '<'} {calibration.answer_at}"
@@ -369,7 +368,7 @@ def ranked_sentences(embedder, question_vector: np.ndarray, contexts: list[Conte
 
 
 def _extract(pool: list[Context], ranked: list[ev.Candidate], value_question: str | None = None,
-             yes_no: bool = False) -> list[tuple[str, list[int]]]:
+             yes_no: bool = False, near: set[int] = frozenset()) -> list[tuple[str, list[int]]]:
     """A Q&A card that matches the question answers with its answer. Otherwise the best-scored sentence of the pool
     that does not itself ask (ASKS; the best one when all do), and the next best of the same context when it scores
     nearly as well. `value_question`: the question, when it asks for a value only an entity gives
@@ -380,13 +379,17 @@ def _extract(pool: list[Context], ranked: list[ev.Candidate], value_question: st
     it, so the best sentence that does not is taken: from the best sentence's document (the question's words point
     to it; its conclusion may be another chunk), else from any, else the best as always. (Letting another document's
     sentence win when it scored more than EXTRACT_MARGIN above was measured: it cited the wrong document more often,
-    bench/README.md.) Whether kb answers at all is weighed on the best sentence as before (weigh)."""
+    bench/README.md.) `near`: the contexts the left-out ceiling answered for (weigh's nearer_than_ceiling): the
+    answer is theirs when they hold a sentence, not the best of a distant context ("spare parts price list" was
+    answered with a manual's sentence at similarity 0.20). Whether kb answers at all is weighed on the best sentence
+    as before (weigh)."""
     card = pool[0] if pool and pool[0].card_answer and (pool[0].similarity or 0) >= ev.CARD_MATCH else None
     if card is not None:
         return [(card.card_answer, [card.n])]
     numbers = {c.n for c in pool}
     ranked = [c for c in ranked if c.context in numbers]
     ranked = [c for c in ranked if not ASKS.search(c.text)] or ranked
+    ranked = [c for c in ranked if c.context in near] or ranked
     if yes_no:
         document = {c.n: c.document for c in pool}
         deciding = [c for c in ranked if not ev.states_what_is_sought(c.text)]

@@ -48,7 +48,7 @@ _HOW_WORD = re.compile(r"\bhow\s+(many|much|long|far|old|often|large|big|tall|hi
 _WH = re.compile(r"\b(who|whom|whose|where|when|what|which)\b", re.I)
 _YEARS = re.compile(r"1\d{3}|20\d{2}|1\d{3}\s*[-–]\s*(?:1\d{3}|20\d{2}|\d{2})|20\d{2}\s*[-–]\s*(?:20\d{2}|\d{2})")
 _FIRST_WH = re.compile(r"\b(who|whom|whose|where|when|what|which|how|why)\b", re.I)
-_CODE = re.compile(r"[A-Za-z0-9]+(?:[-_./#][A-Za-z0-9]+)+")  # HR-2024-047, v1.2.3, max_wal_senders
+_CODE = re.compile(r"[A-Za-z0-9]+(?:[-_./#:][A-Za-z0-9]+)+")  # HR-2024-047, v1.2.3, 9:00-17:00, max_wal_senders
 
 
 @lru_cache(maxsize=1)
@@ -121,14 +121,15 @@ def _cut(question: str, sentence: str, labels: tuple[str, ...] | None, phrases: 
     nlp = _nlp()
     doc = nlp(sentence)
     asked = {t.lower_ for t in nlp.make_doc(question) if not t.is_stop and not t.is_punct}
-    # and the parts of its codes, however spaCy cut them ("HR-2023-031": hr, 2023, 031)
-    asked |= {w for code in _CODE.findall(question) if any(c.isdigit() for c in code) for w in _words(code)}
+    codes = [code for code in _CODE.findall(question) if any(c.isdigit() for c in code)]
     stems = {w[:5] for w in asked if len(w) > 4}  # "American" is said by "America"
     anchors = [t.i for t in doc if t.lower_ in asked or (len(t.text) > 4 and t.lower_[:5] in stems)]
     wh = _WH.search(question)
     nouns = set(_asked_nouns(question, wh.end())) - {"is", "was", "are", "were", "did", "does", "do"} if wh else set()
 
     def new(text: str) -> bool:
+        for code in codes:  # the question's own code says nothing new ("policy HR-2023-031"), its parts may ("2023")
+            text = text.replace(code, " ")
         return any(w not in asked and (len(w) <= 4 or w[:5] not in stems)
                    for w in _words(text) - {"the", "a", "an", "of", "and", "in"})
 
@@ -159,17 +160,18 @@ def _cut(question: str, sentence: str, labels: tuple[str, ...] | None, phrases: 
 
 def _whole(sentence: str, start: int, end: int) -> str:
     """The sentence's text from start to end, widened to the whole of a code with digits that it cuts (spaCy splits
-    "HR-2024-047" at its last hyphen: the answer was "policy HR-2024"), without a bracket it leaves open (what
-    stands before it: "42P07 (duplicate_table" is "42P07") or the punctuation around it."""
+    "HR-2024-047" at its last hyphen: the answer was "policy HR-2024"), without a bracket it leaves open (the side
+    outside it: "42P07 (duplicate_table" is "42P07", "Mon-Fri) 9:00" is "9:00") or the punctuation around it."""
     for code in _CODE.finditer(sentence):
         if any(c.isdigit() for c in code.group()) and (code.start() < start < code.end() or
                                                         code.start() < end < code.end()):
             start, end = min(start, code.start()), max(end, code.end())
     text = sentence[start:end].strip(" ,.;:")
     for opening, closing in ("()", "[]"):
-        if (opening in text) != (closing in text):  # what stands before the lone bracket, else what follows it
+        if (opening in text) != (closing in text):  # the side of the lone bracket outside it, else the other
             before, _, after = text.partition(opening if opening in text else closing)
-            text = before.strip(" ,.;:") or after.strip(" ,.;:")
+            outside, inside = (before, after) if opening in text else (after, before)
+            text = outside.strip(" ,.;:") or inside.strip(" ,.;:")
     return text
 
 

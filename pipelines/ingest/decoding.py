@@ -46,16 +46,18 @@ class NotText(ValueError):
 def without_controls(text: str) -> str:
     """The text without terminal codes (ANSI colour and cursor sequences) and control characters but whitespace: as
     a text file is read, and a query too (a question pasted from a terminal)."""
-    return _CONTROLS.sub("", _TERMINAL_CODES.sub("", text) if "\x1b" in text else text)
+    return _CONTROLS.sub("", _without_terminal_codes(text))
+
+
+def _without_terminal_codes(text: str) -> str:
+    return _TERMINAL_CODES.sub("", text) if "\x1b" in text else text
 
 
 def decode_text(data: bytes, name: str) -> str:
     """The file's text, without control characters; raises NotText with one line naming why (`name`: its file name).
     Terminal codes are dropped without counting against it (a coloured log is text)."""
-    text = _decode(data, name)
-    if "\x1b" in text:
-        text = _TERMINAL_CODES.sub("", text)
-    kept = without_controls(text)
+    text = _without_terminal_codes(_decode(data, name))
+    kept = _CONTROLS.sub("", text)
     share = (len(text) - len(kept) + kept.count("\ufffd")) / max(len(text), 1)
     if share > MAX_CONTROL_SHARE:
         raise NotText(_refusal(name, f"{share:.0%} of its characters are control characters or U+FFFD"))

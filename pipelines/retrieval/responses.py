@@ -129,7 +129,7 @@ def run_search(conn: psycopg.Connection, settings: Settings, query: str, k: int 
     query_class, hits = retrieve(conn, settings, query, k, filters=filters, mode=mode, arm=arm,
                                  exact_first=exact_first, **options)
     if debug:
-        add_highlights(conn, hits, query)
+        add_highlights(conn, hits, normalised_query(query))  # the terms and codes as they were searched
     response = {
         "query": query, "k": k, "source_id": filters.source_id, "mode": mode, "arm": arm,
         "chunks": [hit.as_dict(debug) for hit in hits],
