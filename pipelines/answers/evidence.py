@@ -134,11 +134,12 @@ def holds_code(text: str, code: str) -> bool:
 
 def held_instead(text: str, code: str) -> str | None:
     """A code of the same make that the text holds in place of `code` ("HR-2024-047" for "HR-2024-048": the same
-    letters and separators, as many digits, other ones), or None. Only an identifier has a make: letters and at least three digits
-    ("ERR-5012", "42P07"; not "5pm", "x86", "COVID-19", a year or a number). A text that holds the code in any
-    spelling ("HR 2024-047", "ISO 27001", a Unicode hyphen) or within a longer one ("python3" in "python3.11") holds
-    it: only a make that differs is evidence that the documents speak of another."""
-    if not (re.search(r"[A-Za-z]", code) and sum(c.isdigit() for c in code) >= 3) or _compact(code) in _compact(text):
+    letters and separators, as many digits, other ones), or None. Only an identifier has a make: letters and at
+    least three digits ("ERR-5012", "42P07"; not "5pm", "x86", "COVID-19", a year or a number). A text that holds
+    the code in any spelling ("HR 2024-047", "ISO 27001", a Unicode hyphen) or within a longer one ("python3" in
+    "python3.11") holds it: only a make that differs is evidence that the documents speak of another."""
+    identifier = re.search(r"[A-Za-z]", code) and sum(c.isdigit() for c in code) >= 3
+    if not identifier or _compact(code) in _compact(text):
         return None
     make = _make(code)
     return next((t for t in _TOKEN.findall(text) if _make(t) == make), None)
