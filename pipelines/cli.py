@@ -385,7 +385,7 @@ def status(as_json) -> None:
     text += [f"answer calibration ({c['model_key']}, {c['scope']} sources): answers at confidence {c['answer_at']}"
              + (f" or a closest context's similarity above {ceiling:.4f}"
                 if (ceiling := c["report"].get("left_out_ceiling")) is not None else "") +
-             f", fitted {_when(c['fitted_at'])} on {c['chunks']} chunks; of its probes it answers"
+             f", fitted {_when(c['fitted_at'])} on {c['chunks']} chunks (Q&A cards aside); of its probes it answers"
              f" {c['report']['answered']['answerable']:.0%} answerable and refuses"
              f" {c['report']['refused']['left_out']:.0%} left out"
              for c in data["answer_calibrations"]] or ["answer calibration: none (the default weights serve; a"

@@ -69,6 +69,7 @@ def test_the_refresh_calibrates_on_the_knowledge_base_and_says_so(newcomer_kb, e
     shown = kb("status").output
     assert (f"answers at confidence {calibration.answer_at} or a closest context's similarity above"
             f" {max(left_out):.4f}, fitted") in shown, shown
+    assert " on 25 chunks (Q&A cards aside); " in shown  # a source's line counts its cards too (the hostile pass)
 
 
 def _weighed(similarity: float, calibration: Calibration) -> dict:
