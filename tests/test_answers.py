@@ -160,6 +160,25 @@ def test_a_code_the_documents_do_not_hold_is_not_answered_with_another(samples_k
     assert not answer_question(samples_kb, settings, "HR-2024-047?")["abstained"]
 
 
+def test_a_code_in_the_document_title_is_held_by_each_of_its_chunks(samples_kb, settings):
+    """"What was the Q3 2024 revenue?" was answered from the title slide ("prepared for the leadership meeting on
+    2024-10-08"): the revenue slide holds Q3 2024 only in the deck's title, which the lexical arm reads and the code
+    rule did not (the hostile review's find)."""
+    result = answer_question(samples_kb, settings, "What was the Q3 2024 revenue?")
+    assert not result["abstained"] and "18.2 million EUR" in result["answer"], result["answer"]
+    assert "pptx p. 2, Highlights" in result["answer"]
+
+
+def test_a_question_said_again_is_read_once(samples_kb, settings):
+    """Pasted three times, a question scored 0.56 instead of 0.91: its embedding moved away from its answer's."""
+    asked = "How many weeks of leave does a primary caregiver get?"
+    once = answer_question(samples_kb, settings, asked)
+    again = answer_question(samples_kb, settings, f"{asked} {asked}\n{asked.upper()}")
+    assert again["evidence"] == once["evidence"] and again["answer"] == once["answer"]
+    situation = answer_question(samples_kb, settings, "I have a question about leave. " * 40 + asked)
+    assert situation["asked"]["situation"] == "I have a question about leave."
+
+
 def test_a_question_answered_for_its_close_context_is_answered_from_it(samples_kb, settings):
     """"spare parts price list": the price list is closer than any left-out probe came (the ceiling answers), and
     the answer was a sentence of the manual at similarity 0.20 (the hostile review's find)."""

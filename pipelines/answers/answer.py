@@ -79,7 +79,9 @@ class Context:
     page: int | None = None  # the page the chunk starts on (PDFs)
     via_card: str | None = None  # the card's question, when a card found this context
     card_answer: str | None = None  # that card's answer
+    title: str | None = None  # its document's title: the lexical arm reads it with the chunk (titles prepended)
     coverage: float = 0.0  # its lexical evidence: the share of the question's rare vocabulary it holds
+    titled_coverage: float = 0.0  # the same with its document's title: what the code rule reads (code_holders)
     sentences: tuple[str, ...] = field(default=(), repr=False)  # the sentences that may answer
 
     def label(self) -> str:
@@ -167,7 +169,7 @@ def answer_question(conn: psycopg.Connection, settings: Settings, question: str,
     client = openai_client(settings) if settings.chat_model else None
     read = normalised_query(question)  # as the documents were read: full-width letters, a terminal's colour codes
     message = asked(read)
-    message_vector = embed_query(embedder, read)  # once: retrieval, and the evidence when there is no situation
+    message_vector = embed_query(embedder, message.message)  # once: retrieval, and the evidence without a situation
     vector = None
     if hyde:
         if client is None:
@@ -240,9 +242,15 @@ def code_holders(contexts: list[Context], codes: list[str], asked: list[str]) ->
     """The contexts the code rule answers from (their numbers). `codes` are the question's rare codes (the query
     classifier's identifiers), `asked` every code-shaped token in it: a context that holds every one of them,
     whole, and at least CODE_COVERAGE of the question's rare vocabulary (contexts' coverage already set; NR-9 held
-    by a price list does not answer "the maximum payload of the NR-9")."""
-    return [c.n for c in contexts if codes and c.coverage >= ev.CODE_COVERAGE
-            and all(ev.holds_code(f"{c.section} {c.text}", code) for code in {*codes, *asked})]
+    by a price list does not answer "the maximum payload of the NR-9"). A code in the document's title is held, as
+    the lexical arm found it: a deck titled "Q3 2024 Sales Review" holds Q3 2024 on its revenue slide too."""
+    return [c.n for c in contexts if codes and c.titled_coverage >= ev.CODE_COVERAGE
+            and all(ev.holds_code(_read(c), code) for code in {*codes, *asked})]
+
+
+def _read(context: Context) -> str:
+    """What the code rules read of a context: its document's title, section heading and text."""
+    return f"{context.title or ''} {context.section} {context.text}"
 
 
 def weigh(contexts: list[Context], codes: list[str], held: list[int], ranked: list[ev.Candidate],
@@ -263,7 +271,7 @@ def weigh(contexts: list[Context], codes: list[str], held: list[int], ranked: li
     closer = ceiling is not None and round(near, 4) > ceiling
     nearer = [c.n for c in contexts if closer and score < calibration.answer_at and c.n <= EXTRACT_CONTEXTS
               and c.similarity is not None and round(c.similarity, 4) > ceiling]  # what the ceiling answers from
-    whole = " ".join(f"{c.section} {c.text}" for c in contexts)
+    whole = " ".join(_read(c) for c in contexts)
     instead = {code: other for code in named if (other := ev.held_instead(whole, code))}
     answers = bool(contexts) and not instead and (bool(held) or score >= calibration.answer_at or closer)
     shown = math.floor(score * 100 + 1e-9) / 100  # cut, not rounded: a refused 0.496 is not "0.50 < 0.5"
@@ -297,16 +305,17 @@ def _shown(context: Context) -> dict:
 
 def _read_contexts(conn: psycopg.Connection, contexts: list[Context], terms: dict[str, float]) -> dict[str, set[str]]:
     """Split the contexts into the sentences that may answer and read every sentence's and heading's lexemes in
-    one round trip; sets each context's coverage. Returns lexemes by text."""
+    one round trip; sets each context's coverage, and with its title. Returns lexemes by text."""
     for context in contexts:
         context.sentences = ev.answer_sentences(context.text)
     texts = list(dict.fromkeys([s for c in contexts for s in c.sentences] + [c.section for c in contexts]
-                               + [c.via_card for c in contexts if c.via_card]))
+                               + [c.via_card for c in contexts if c.via_card] + [c.title or "" for c in contexts]))
     lexemes = dict(zip(texts, ev.lexemes(conn, texts)))
     for context in contexts:
         held = set().union(lexemes[context.section], lexemes.get(context.via_card or "", set()),
                            *(lexemes[s] for s in context.sentences))
         context.coverage = round(ev.coverage(terms, held), 4)
+        context.titled_coverage = round(ev.coverage(terms, held | lexemes[context.title or ""]), 4)
     return lexemes
 
 # A source label as kb writes it, `[source:document, section]` or `[document.ext, section]`: text that looks like one
@@ -338,7 +347,7 @@ def _contexts(conn: psycopg.Connection, hits: list) -> list[Context]:
             card = hit.source_chunk_id is not None
             contexts[chunk_id] = Context(len(contexts) + 1, chunk_id, f"{hit.source}:{hit.document}",
                                          " > ".join(hit.section_path), text, hit.dense_score, hit.page,
-                                         hit.question if card else None, hit.content if card else None)
+                                         hit.question if card else None, hit.content if card else None, hit.title)
     return list(contexts.values())
 
 
