@@ -32,7 +32,8 @@ SPANS = ("DATE", "TIME", "QUANTITY", "CARDINAL")  # how long, how old, how often
 _NOUNS = {
     **dict.fromkeys(("year", "years", "century", "decade", "date", "day", "month", "era", "period", "time"), TIMES),
     **dict.fromkeys(("percentage", "percent", "proportion", "share"), ("PERCENT", "CARDINAL")),
-    **dict.fromkeys(("price", "cost", "amount", "budget", "salary", "fee"), ("MONEY", "QUANTITY", "CARDINAL")),
+    **dict.fromkeys(("price", "cost", "amount", "budget", "salary", "fee", "revenue", "revenues", "profit",
+                     "profits", "income", "turnover", "earnings"), ("MONEY", "QUANTITY", "CARDINAL")),
     **dict.fromkeys(("number", "rate", "size", "temperature", "speed", "distance", "population"), MEASURES),
     **dict.fromkeys(("person", "man", "woman", "king", "queen", "president", "leader", "emperor", "scientist",
                      "author", "general", "pope", "ruler"), ("PERSON",)),
@@ -47,6 +48,7 @@ _HOW = {"many": COUNTS, "much": ("MONEY", "QUANTITY", "PERCENT", "CARDINAL"), "l
 _HOW_WORD = re.compile(r"\bhow\s+(many|much|long|far|old|often|large|big|tall|high|wide|deep|fast|heavy)\b", re.I)
 _WH = re.compile(r"\b(who|whom|whose|where|when|what|which)\b", re.I)
 _YEARS = re.compile(r"1\d{3}|20\d{2}|1\d{3}\s*[-–]\s*(?:1\d{3}|20\d{2}|\d{2})|20\d{2}\s*[-–]\s*(?:20\d{2}|\d{2})")
+_LINKING = {"is", "was", "are", "were", "did", "does", "do", "the", "a", "an"}  # "what was the ..."
 _FIRST_WH = re.compile(r"\b(who|whom|whose|where|when|what|which|how|why)\b", re.I)
 _CODE = re.compile(r"[A-Za-z0-9]+(?:[-_./#:][A-Za-z0-9]+)+")  # HR-2024-047, v1.2.3, 9:00-17:00, max_wal_senders
 
@@ -95,9 +97,12 @@ def asks_for_value(question: str) -> bool:
 
 
 def _asked_nouns(question: str, at: int) -> list[str]:
-    """The one or two words after the wh-word ("what year", "which Chinese city"), lower case."""
-    following = re.match(r"\s+(\w+)(?:\s+(\w+))?", question[at:])
-    return [w.lower() for w in following.groups() if w] if following else []
+    """The first three words after the wh-word ("what year", "which Chinese city"), lower case, past a verb and an
+    article: "What was the Q3 2024 revenue?" asks for an amount, as "What revenue" does."""
+    words = [w.lower() for w in re.findall(r"\w+", question[at:])]
+    while words and words[0] in _LINKING:
+        words.pop(0)
+    return words[:3]
 
 
 def _words(text: str) -> set[str]:
@@ -125,7 +130,8 @@ def _cut(question: str, sentence: str, labels: tuple[str, ...] | None, phrases: 
     stems = {w[:5] for w in asked if len(w) > 4}  # "American" is said by "America"
     anchors = [t.i for t in doc if t.lower_ in asked or (len(t.text) > 4 and t.lower_[:5] in stems)]
     wh = _WH.search(question)
-    nouns = set(_asked_nouns(question, wh.end())) - {"is", "was", "are", "were", "did", "does", "do"} if wh else set()
+    following = re.match(r"\s+(\w+)(?:\s+(\w+))?", question[wh.end():]) if wh else None
+    nouns = {w.lower() for w in following.groups() if w} - _LINKING if following else set()
 
     def new(text: str) -> bool:
         for code in codes:  # the question's own code says nothing new ("policy HR-2023-031"), its parts may ("2023")
