@@ -7,7 +7,7 @@ contexts' cosine to the question, how much of the question's rare vocabulary the
 dense arm likes best holds it too, and how well their best sentence answers; a context holding every code the
 question asks about, verbatim, answers.
 Without a chat model kb answers extractively: a matching Q&A card answers with its answer; otherwise the best
-context sentence, scored by meaning and by the question's rare words with its title and heading (never a sentence
+context sentence, scored by meaning and by the question's rare words with its section heading (never a sentence
 that is itself a question, and only from contexts holding the question's codes), with the short value (number,
 date, name) cut from it when the question asks for one. With KB_CHAT_MODEL set, the model writes the answer and
 cites contexts by number, and kb checks what it wrote: a reply that says it found nothing is a refusal whatever
@@ -80,7 +80,8 @@ class Context:
     via_card: str | None = None  # the card's question, when a card found this context
     card_answer: str | None = None  # that card's answer
     title: str | None = None  # its document's title: the lexical arm reads it with the chunk (titles prepended)
-    coverage: float = 0.0  # its lexical evidence: the share of the question's rare vocabulary it holds (_heading too)
+    coverage: float = 0.0  # its lexical evidence: the share of the question's rare vocabulary it holds
+    rest_coverage: float = 0.0  # the same of what the question asks besides its codes and title (code_holders)
     sentences: tuple[str, ...] = field(default=(), repr=False)  # the sentences that may answer
 
     def label(self) -> str:
@@ -128,8 +129,8 @@ def gather(conn: psycopg.Connection, settings: Settings, embedder, asked: Asked,
     if compress:
         contexts = _compressed(embedder, focus, contexts)
     terms = ev.question_terms(conn, asked.question, filters.readable(conn).keys, filters.as_of)
-    lexemes = _read_contexts(conn, contexts, terms)
     named = ev.question_codes(asked.question)
+    lexemes = _read_contexts(conn, contexts, terms, [*query_class.identifiers, *named])
     held = code_holders(contexts, query_class.identifiers, named)
     scope = [c for c in contexts if c.n <= EXTRACT_CONTEXTS or c.n in held]  # what may answer
     ranked = ranked_sentences(embedder, focus, scope, terms, lexemes)
@@ -240,10 +241,12 @@ def _focus_similarities(conn: psycopg.Connection, model_key: str, contexts: list
 def code_holders(contexts: list[Context], codes: list[str], asked: list[str]) -> list[int]:
     """The contexts the code rule answers from (their numbers). `codes` are the question's rare codes (the query
     classifier's identifiers), `asked` every code-shaped token in it: a context that holds every one of them,
-    whole, and at least CODE_COVERAGE of the question's rare vocabulary (contexts' coverage already set; NR-9 held
-    by a price list does not answer "the maximum payload of the NR-9"). A code in the document's title is held, as
-    the lexical arm found it: a deck titled "Q3 2024 Sales Review" holds Q3 2024 on its revenue slide too."""
-    return [c.n for c in contexts if codes and c.coverage >= ev.CODE_COVERAGE
+    whole, and at least CODE_COVERAGE of the rest of the question's rare vocabulary (contexts' rest_coverage already
+    set; NR-9 held by a price list does not answer "the maximum payload of the NR-9"). A context holds what its
+    document's title holds, as the lexical arm reads it, and the title's words name the document rather than say
+    what is asked of it: a deck titled "Q3 2024 Sales Review" answers "What was the Q3 2024 revenue?" from its
+    revenue slide, and not "... the Q3 2024 headcount?" from any."""
+    return [c.n for c in contexts if codes and c.rest_coverage >= ev.CODE_COVERAGE
             and all(ev.holds_code(_read(c), code) for code in {*codes, *asked})]
 
 
@@ -302,26 +305,27 @@ def _shown(context: Context) -> dict:
     return data
 
 
-def _read_contexts(conn: psycopg.Connection, contexts: list[Context], terms: dict[str, float]) -> dict[str, set[str]]:
-    """Split the contexts into the sentences that may answer and read every sentence's, heading's and title's lexemes
-    in one round trip; sets each context's coverage. Returns lexemes by text."""
+def _read_contexts(conn: psycopg.Connection, contexts: list[Context], terms: dict[str, float],
+                   codes: list[str]) -> dict[str, set[str]]:
+    """Split the contexts into the sentences that may answer and read every sentence's, heading's and title's
+    lexemes, and the question's `codes`', in one round trip; sets each context's coverage, and its rest_coverage:
+    that of the question's rare words besides its codes and its document's title's words (1 when nothing else is
+    asked). Returns lexemes by text."""
     for context in contexts:
         context.sentences = ev.answer_sentences(context.text)
     texts = list(dict.fromkeys([s for c in contexts for s in c.sentences] + [c.section for c in contexts]
-                               + [c.via_card for c in contexts if c.via_card] + [c.title or "" for c in contexts]))
+                               + [c.via_card for c in contexts if c.via_card] + [c.title or "" for c in contexts]
+                               + codes))
     lexemes = dict(zip(texts, ev.lexemes(conn, texts)))
+    coded = set().union(*(lexemes[code] for code in codes))
+    rest = {term: weight for term, weight in terms.items() if term not in coded}
     for context in contexts:
-        held = set().union(_heading(context, lexemes), lexemes.get(context.via_card or "", set()),
+        held = set().union(lexemes[context.section], lexemes.get(context.via_card or "", set()),
                            *(lexemes[s] for s in context.sentences))
         context.coverage = round(ev.coverage(terms, held), 4)
+        asked = {term: weight for term, weight in rest.items() if term not in lexemes[context.title or ""]}
+        context.rest_coverage = round(ev.coverage(asked, held), 4) if asked else 1.0
     return lexemes
-
-
-def _heading(context: Context, lexemes: dict[str, set[str]]) -> set[str]:
-    """The lexemes a context's sentences are read under: its document's title and its section heading. The lexical
-    arm reads both with the chunk (titles prepended): a deck titled "Q3 2024 Sales Review" speaks of Q3 2024 on its
-    revenue slide too, whose own heading is "Highlights"."""
-    return lexemes[context.title or ""] | lexemes[context.section]
 
 # A source label as kb writes it, `[source:document, section]` or `[document.ext, section]`: text that looks like one
 # inside a document or a model's reply is not kb's, and would cite what nobody checked.
@@ -374,7 +378,7 @@ def ranked_sentences(embedder, question_vector: np.ndarray, contexts: list[Conte
     """The contexts' sentences that may answer, scored (evidence.score_candidates), best first: the best one's
     score is evidence for answering at all, and the answer is taken from them."""
     candidates = [ev.Candidate(s, c.n, context_similarity=c.similarity or 0.0, context_coverage=c.coverage,
-                               coverage=ev.coverage(terms, lexemes[s] | _heading(c, lexemes)))
+                               coverage=ev.coverage(terms, lexemes[s] | lexemes[c.section]))
                   for c in contexts for s in c.sentences]
     if not candidates:
         return []
@@ -430,7 +434,7 @@ def _supported(conn: psycopg.Connection, sentences: list[tuple[str, list[int]]],
     """A model's sentences with only the citations of contexts that say them (evidence.support): a wrong context
     number, or every number copied from the prompt, is dropped; a sentence no cited context says is removed."""
     by_number = {c.n: c for c in contexts}
-    context_lexemes = {c.n: set().union(_heading(c, lexemes), *(lexemes[s] for s in c.sentences)) for c in contexts}
+    context_lexemes = {c.n: set().union(lexemes[c.section], *(lexemes[s] for s in c.sentences)) for c in contexts}
     claims = ev.lexemes(conn, [ev.YES_OR_NO.sub("", text) for text, _ in sentences])  # a verdict is not a claim
     kept, removed = [], []
     for (text, numbers), claim in zip(sentences, claims):

@@ -7,9 +7,9 @@ finds paragraphs about the same kind of thing, at cosines answerable questions a
 words: a question about the Lyon plant's fire drills names "Lyon" and "drill", which nothing in the knowledge base
 holds. So words are weighed by how rare they are in what the caller may read (BM25's idf over the same lexemes
 the lexical arm indexes, `kb_lexemes`), and a context's lexical evidence is the share of that weight it holds,
-its document's title and section heading included. The weights below were fitted on SQuAD 2.0 questions
-(crowd-written, with unanswerable ones) by bench/answer_calibration.py and checked on held-out ones:
-bench/README.md. Since issue 31 they are the default only: each knowledge base fits its own (calibration.py).
+its section heading included. The weights below were fitted on SQuAD 2.0 questions (crowd-written, with
+unanswerable ones) by bench/answer_calibration.py and checked on held-out ones: bench/README.md. Since issue 31
+they are the default only: each knowledge base fits its own (calibration.py).
 """
 
 from __future__ import annotations
@@ -45,9 +45,9 @@ ANSWER_AT = 0.2
 # Since issue 31 these are the default only: each knowledge base fits its own weights and operating point per
 # embedding model, on probes built from its chunks (pipelines/answers/calibration.py); a scope too small to fit
 # (or not yet fitted) is answered with these, and says so.
-# A sentence's score (a logit): its cosine to the question, its lexical evidence (with its title and heading), its
-# context's cosine and its context's lexical evidence. The negative weight on the context's cosine is what the fit
-# found: among sentences equally close to the question, the one that stands out from its paragraph is the answer.
+# A sentence's score (a logit): its cosine to the question, its lexical evidence (with its heading), its context's
+# cosine and its context's lexical evidence. The negative weight on the context's cosine is what the fit found:
+# among sentences equally close to the question, the one that stands out from its paragraph is the answer.
 SENTENCE_WEIGHTS = (6.85, 2.51, -3.34, 2.69)
 # The code rule's floor: a context holding the question's codes answers when it also holds this share of the
 # question's rare vocabulary (a judgement, not fitted: SQuAD has too few code questions to fit it on).

