@@ -241,17 +241,25 @@ def _focus_similarities(conn: psycopg.Connection, model_key: str, contexts: list
 def code_holders(contexts: list[Context], codes: list[str], asked: list[str]) -> list[int]:
     """The contexts the code rule answers from (their numbers). `codes` are the question's rare codes (the query
     classifier's identifiers), `asked` every code-shaped token in it: a context that holds every one of them,
-    whole, and at least CODE_COVERAGE of the rest of the question's rare vocabulary (contexts' rest_coverage already
-    set; NR-9 held by a price list does not answer "the maximum payload of the NR-9"). A context holds what its
-    document's title holds, as the lexical arm reads it, and the title's words name the document rather than say
-    what is asked of it: a deck titled "Q3 2024 Sales Review" answers "What was the Q3 2024 revenue?" from its
-    revenue slide, and not "... the Q3 2024 headcount?" from any."""
-    return [c.n for c in contexts if codes and c.rest_coverage >= ev.CODE_COVERAGE
-            and all(ev.holds_code(_read(c), code) for code in {*codes, *asked})]
+    whole, and at least CODE_COVERAGE of the question's rare vocabulary (contexts' coverage already set; NR-9 held
+    by a price list does not answer "the maximum payload of the NR-9"). A context whose document's title holds the
+    codes holds them too, as the lexical arm reads it, but the title names the document, not what is asked of it:
+    such a context must hold CODE_COVERAGE of the rest (its rest_coverage: the question's rare words besides the codes
+    and the title's). A deck titled "Q3 2024 Sales Review" answers "What was the Q3 2024 revenue?" from its revenue
+    slide, and not "... the Q3 2024 headcount?" from that slide."""
+    wanted = {*codes, *asked}
+    held = []
+    for c in contexts:
+        own = codes and all(ev.holds_code(f"{c.section} {c.text}", code) for code in wanted)
+        titled = codes and not own and all(ev.holds_code(_read(c), code) for code in wanted)
+        if (own and c.coverage >= ev.CODE_COVERAGE) or (titled and c.rest_coverage >= ev.CODE_COVERAGE):
+            held.append(c.n)
+    return held
 
 
 def _read(context: Context) -> str:
-    """What the code rules read of a context: its document's title, section heading and text."""
+    """What the code rules read of a context: its document's title, section heading and text (held_instead reads
+    every context so, code_holders those that hold the codes only in their title)."""
     return f"{context.title or ''} {context.section} {context.text}"
 
 
