@@ -55,9 +55,12 @@ def asked(message: str) -> Asked:
     said again is read once, where it is last said, in retrieval too: a question pasted three times embeds elsewhere
     than the question (its closest context's cosine fell from 0.78 to 0.62), and says nothing more; "Can I claim? I
     had a baby in March. Can I claim?" still asks after its situation."""
-    said_last = {sentence: n for n, sentence in enumerate(split_sentences(" ".join(message.split())))}
+    text = " ".join(message.split())
+    split = split_sentences(text) if text else []
+    said_last = {sentence: n for n, sentence in enumerate(split)}
     sentences = sorted(said_last, key=said_last.__getitem__)
-    text = " ".join(sentences)
+    if len(sentences) < len(split):  # else the text as written ("day.sometimes" is one word to the embedder)
+        text = " ".join(sentences)
     asking = [n for n, s in enumerate(sentences) if s.rstrip(" )\"'").endswith("?")]
     if len(sentences) < 2 or not asking:
         return Asked(text, text, "", _asks_yes_or_no(text), text)
