@@ -51,6 +51,14 @@ class FakeOpenAI:
                 pass
 
             def do_POST(self):
+                counted = True
+
+                def finished():  # the request leaves the in-flight count once, before its reply can be read
+                    nonlocal counted
+                    with fake.lock:
+                        fake.in_flight -= counted
+                        counted = False
+
                 body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
                 with fake.lock:
                     fake.attempt_times.append(time.monotonic())
@@ -99,11 +107,13 @@ class FakeOpenAI:
                         self.send_response(200)
                     self.send_header("Content-Type", "application/json")
                     self.send_header("Content-Length", str(len(payload)))
+                    # The client may send its next request as soon as it has this reply: counted until after the
+                    # write, that request found this one still in flight (3 where the client held 2, on a busy host).
+                    finished()
                     self.end_headers()
                     self.wfile.write(payload)
                 finally:
-                    with fake.lock:
-                        fake.in_flight -= 1
+                    finished()
 
         self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
