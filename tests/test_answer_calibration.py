@@ -43,9 +43,13 @@ def test_a_message_is_split_into_its_question_and_its_situation():
     alone = asked("On-call phone number?")
     assert (alone.question, alone.situation, alone.yes_no) == ("On-call phone number?", "", False)
     assert asked("Tell me the deadline for filing.").situation == ""  # no "?": all of it is the question
-    # a sentence said again is read once, where it is last said: the question still follows its situation
+    # a sentence said again is read once; the question is still the run the message ends on, after its situation
     again = asked("Can I claim? I had a baby in March. Can I claim?")
-    assert (again.message, again.situation) == ("I had a baby in March. Can I claim?", "I had a baby in March.")
+    assert (again.message, again.question, again.situation, again.focus) == (
+        "Can I claim? I had a baby in March.", "Can I claim?", "I had a baby in March.",
+        "I had a baby in March. Can I claim?")
+    thanks = asked("What is the parking fee? Thanks. How many vacation days do I get? Thanks.")
+    assert thanks.question == "How many vacation days do I get?"  # not both: the repeat kept them apart
     written = asked("He loses weight day by day.sometimes he faints. What  to do?")  # none repeated: as written
     assert written.message == "He loses weight day by day.sometimes he faints. What to do?"
     assert asked("What does git log -S do? What does git log -s do?").question.count("git log") == 2

@@ -131,6 +131,12 @@ def test_the_answer_reports_the_short_value_the_question_asks_for(company, setti
     assert short_answer("What is the museum that holds the collection?",
                         "The collection is held by the Peabody Museum of Archaeology in Cambridge.") == \
         "the Peabody Museum of Archaeology"
+    # the noun a "which" opens is what it asks; a question whose verb is not "be" asks for no noun after it
+    assert short_answer("Which year's budget was larger?",
+                        "The 2023 budget of 4 million EUR was larger than the 2022 budget.") == "2023"
+    assert short_answer("What did the president say?",
+                        "The president said that taxes would rise, according to Jean Dupont.") != "Jean Dupont"
+    assert short_answer("What is the fee?", "The fee is EUR 250 per week.") == "EUR 250"
     assert short_answer("When was the order delivered?", "The order was delivered on 12 May.") == "12 May"
     assert short_answer("How many days of family care leave?",
                         "Employees get 10 days of family care leave.") == "10 days"

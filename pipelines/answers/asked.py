@@ -52,24 +52,24 @@ def _asks_yes_or_no(question: str) -> bool:
 def asked(message: str) -> Asked:
     """The question of a message: its last run of sentences ending in "?"; a message with no "?" is all question.
     The question's focus adds the sentence before it when the question is a few words or points back. A sentence
-    said again is read once, where it is last said, in retrieval too: a question pasted three times embeds elsewhere
-    than the question (its closest context's cosine fell from 0.78 to 0.62), and says nothing more; "Can I claim? I
-    had a baby in March. Can I claim?" still asks after its situation."""
+    said again is read once, where it is first said, in retrieval too: a question pasted three times embeds elsewhere
+    than the question (its closest context's cosine fell from 0.78 to 0.62) and says nothing more. The question is
+    still the run the message ends on, found before repeats are dropped ("Q1? Thanks. Q2? Thanks." asks Q2), and the
+    situation is every other sentence ("Can I claim? I had a baby in March. Can I claim?")."""
     text = " ".join(message.split())
-    split = split_sentences(text) if text else []
-    said_last = {sentence: n for n, sentence in enumerate(split)}
-    sentences = sorted(said_last, key=said_last.__getitem__)
-    if len(sentences) < len(split):  # else the text as written ("day.sometimes" is one word to the embedder)
-        text = " ".join(sentences)
-    asking = [n for n, s in enumerate(sentences) if s.rstrip(" )\"'").endswith("?")]
-    if len(sentences) < 2 or not asking:
+    said = split_sentences(text) if text else []
+    distinct = list(dict.fromkeys(said))
+    if len(distinct) < len(said):  # else the text as written ("day.sometimes" is one word to the embedder)
+        text = " ".join(distinct)
+    asking = [n for n, s in enumerate(said) if s.rstrip(" )\"'").endswith("?")]
+    if len(distinct) < 2 or not asking:
         return Asked(text, text, "", _asks_yes_or_no(text), text)
     last = first = asking[-1]
     while first - 1 in asking:
         first -= 1
-    question = " ".join(sentences[first:last + 1])
-    start = first - 1 if first > 0 and (len(sentences[first].split()) < _SHORT_QUESTION_WORDS
-                                        or _POINTS_BACK.search(sentences[first])) else first
-    situation = " ".join(sentences[:first] + sentences[last + 1:])
-    return Asked(text, question, situation, any(_asks_yes_or_no(sentences[n]) for n in range(first, last + 1)),
-                 " ".join(sentences[start:last + 1]))
+    run = list(dict.fromkeys(said[first:last + 1]))
+    start = first - 1 if first > 0 and (len(said[first].split()) < _SHORT_QUESTION_WORDS
+                                        or _POINTS_BACK.search(said[first])) else first
+    situation = [s for s in dict.fromkeys(said[:first] + said[last + 1:]) if s not in run]
+    return Asked(text, " ".join(run), " ".join(situation), any(_asks_yes_or_no(s) for s in run),
+                 " ".join(said[start:first] + run))

@@ -48,6 +48,7 @@ _HOW = {"many": COUNTS, "much": ("MONEY", "QUANTITY", "PERCENT", "CARDINAL"), "l
 _HOW_WORD = re.compile(r"\bhow\s+(many|much|long|far|old|often|large|big|tall|high|wide|deep|fast|heavy)\b", re.I)
 _WH = re.compile(r"\b(who|whom|whose|where|when|what|which)\b", re.I)
 _YEARS = re.compile(r"1\d{3}|20\d{2}|1\d{3}\s*[-–]\s*(?:1\d{3}|20\d{2}|\d{2})|20\d{2}\s*[-–]\s*(?:20\d{2}|\d{2})")
+_BE = {"is", "are", "was", "were", "be", "am", "'s", "\u2019s"}  # the pipeline runs without its lemmatizer
 _FIRST_WH = re.compile(r"\b(who|whom|whose|where|when|what|which|how|why)\b", re.I)
 _CODE = re.compile(r"[A-Za-z0-9]+(?:[-_./#:][A-Za-z0-9]+)+")  # HR-2024-047, v1.2.3, 9:00-17:00, max_wal_senders
 
@@ -96,13 +97,17 @@ def asks_for_value(question: str) -> bool:
 
 
 def _asked_nouns(question: str, at: int) -> list[str]:
-    """The noun the question asks for, lower case: the last noun of the words after the wh-word at `at`, past a verb
-    and an article, up to the first word that is no noun, adjective, number or possessive ("what year", "which
-    Chinese city", "What was last year's revenue?" -> revenue, "the share price" -> price); none when the wh-word
-    stands alone ("What is it?"). Read by part of speech: spaCy's small parser often leaves "What year did ..." out
-    of any noun phrase."""
+    """The noun the question asks for, lower case, read by part of speech (spaCy's small parser often leaves "What
+    year did ..." out of any noun phrase) in the words after the wh-word at `at`: the first noun of the phrase the
+    wh-word opens ("what year", "which Chinese city", "which year's budget", "what size shoes"); past a form of "be"
+    and an article, the last noun of the phrase ("What was last year's revenue?" -> revenue, "What is the share
+    price?" -> price). None when another verb follows the wh-word ("What did the president say?" asks what was said,
+    not a person) or it stands alone ("What is it?")."""
     words = [t for t in _parsed(question) if t.idx >= at]
-    while words and words[0].pos_ in ("AUX", "DET"):
+    copula = bool(words) and words[0].lower_ in _BE
+    if words and words[0].pos_ in ("AUX", "VERB") and not copula:
+        return []
+    while words and (words[0].pos_ == "DET" or words[0].lower_ in _BE):
         words.pop(0)
     phrase = []
     for word in words:
@@ -110,7 +115,7 @@ def _asked_nouns(question: str, at: int) -> list[str]:
             break
         phrase.append(word)
     nouns = [w.lower_ for w in phrase if w.pos_ in ("NOUN", "PROPN")]
-    return nouns[-1:]
+    return nouns[-1:] if copula else nouns[:1]
 
 
 @lru_cache(maxsize=256)
@@ -197,9 +202,12 @@ def _whole(sentence: str, start: int, end: int) -> str:
 
 
 def _with_currency(doc, span):
-    """An amount with its currency, which spaCy's small model often leaves out of the entity: a symbol right before it
-    ("41" of "$41") or the word it counts right after it ("18.2 million" of "18.2 million EUR", "2 million euros")."""
-    start = span.start - 1 if span.start > 0 and doc[span.start - 1].is_currency else span.start
+    """An amount with its currency, which spaCy's small model often leaves out of the entity: a symbol or a currency
+    code right before it ("$41", "EUR 250") or the word it counts right after it ("18.2 million EUR", "2 million
+    euros")."""
+    before = doc[span.start - 1] if span.start > 0 else None
+    currency = before is not None and (before.is_currency or (before.is_upper and before.is_alpha and len(before) == 3))
+    start = span.start - 1 if currency else span.start  # "$41", "EUR 250"
     last = doc[span.end - 1]
     return doc[start:span.end + 1] if last.dep_ == "nummod" and last.head.i == span.end else doc[start:span.end]
 
