@@ -56,8 +56,9 @@ class FakeOpenAI:
                 def finished():  # the request leaves the in-flight count once, before its reply can be read
                     nonlocal counted
                     with fake.lock:
-                        fake.in_flight -= counted
-                        counted = False
+                        if counted:
+                            fake.in_flight -= 1
+                            counted = False
 
                 body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
                 with fake.lock:

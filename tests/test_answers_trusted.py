@@ -122,7 +122,7 @@ def test_the_answer_reports_the_short_value_the_question_asks_for(company, setti
                         "The collection is held by the Peabody Museum of Archaeology in Cambridge.") == \
         "the Peabody Museum of Archaeology"
     assert short_answer("Why do on-call weeks rotate?", "On-call weeks rotate so that nobody is on call twice.") is None
-    # the noun asked for is the head of the question's noun phrase, and an amount keeps its currency ("year" was the
+    # past "was the", the noun asked for is the last of the phrase, and an amount keeps its currency ("year" was the
     # answer, from "year on year"; a first cut read "last year's revenue" as asking for a date)
     revenue = "Revenue grew 14% year on year to 18.2 million EUR."
     for question in ("What was the Q3 2024 revenue?", "What was last year's revenue?"):

@@ -81,7 +81,6 @@ class Context:
     card_answer: str | None = None  # that card's answer
     title: str | None = None  # its document's title: the lexical arm reads it with the chunk (titles prepended)
     coverage: float = 0.0  # its lexical evidence: the share of the question's rare vocabulary it holds
-    rest_coverage: float = 0.0  # the same of what the question asks besides its codes and title (code_holders)
     sentences: tuple[str, ...] = field(default=(), repr=False)  # the sentences that may answer
 
     def label(self) -> str:
@@ -131,7 +130,7 @@ def gather(conn: psycopg.Connection, settings: Settings, embedder, asked: Asked,
     terms = ev.question_terms(conn, asked.question, filters.readable(conn).keys, filters.as_of)
     named = ev.question_codes(asked.question)
     lexemes = _read_contexts(conn, contexts, terms, [*query_class.identifiers, *named])
-    held = code_holders(contexts, query_class.identifiers, named)
+    held = code_holders(contexts, query_class.identifiers, named, terms, lexemes)
     scope = [c for c in contexts if c.n <= EXTRACT_CONTEXTS or c.n in held]  # what may answer
     ranked = ranked_sentences(embedder, focus, scope, terms, lexemes)
     if vector is not None and not asked.situation:  # HyDE: the contexts' cosines are to a passage a model made up,
@@ -238,21 +237,32 @@ def _focus_similarities(conn: psycopg.Connection, model_key: str, contexts: list
             context.similarity = float(vectors[context.chunk_id] @ focus)
 
 
-def code_holders(contexts: list[Context], codes: list[str], asked: list[str]) -> list[int]:
+def code_holders(contexts: list[Context], codes: list[str], asked: list[str], terms: dict[str, float],
+                 lexemes: dict[str, set[str]]) -> list[int]:
     """The contexts the code rule answers from (their numbers). `codes` are the question's rare codes (the query
     classifier's identifiers), `asked` every code-shaped token in it: a context that holds every one of them,
     whole, and at least CODE_COVERAGE of the question's rare vocabulary (contexts' coverage already set; NR-9 held
     by a price list does not answer "the maximum payload of the NR-9"). A context whose document's title holds the
     codes holds them too, as the lexical arm reads it, but the title names the document, not what is asked of it:
-    such a context must hold CODE_COVERAGE of the rest (its rest_coverage: the question's rare words besides the codes
-    and the title's). A deck titled "Q3 2024 Sales Review" answers "What was the Q3 2024 revenue?" from its revenue
-    slide, and not "... the Q3 2024 headcount?" from that slide."""
+    such a context must hold CODE_COVERAGE of the rest (the question's rare words, `terms`, besides the codes' and
+    the title's; all of it when nothing is left). A deck titled "Q3 2024 Sales Review" answers "What was the Q3 2024
+    revenue?" from its revenue slide, and not "... the Q3 2024 headcount?" from that slide. `lexemes`: as
+    _read_contexts read them, the codes' too."""
+    if not codes:
+        return []
     wanted = {*codes, *asked}
+    coded = set().union(*(lexemes[code] for code in wanted))
     held = []
     for c in contexts:
-        own = codes and all(ev.holds_code(f"{c.section} {c.text}", code) for code in wanted)
-        titled = codes and not own and all(ev.holds_code(_read(c), code) for code in wanted)
-        if (own and c.coverage >= ev.CODE_COVERAGE) or (titled and c.rest_coverage >= ev.CODE_COVERAGE):
+        if all(ev.holds_code(f"{c.section} {c.text}", code) for code in wanted):
+            coverage = c.coverage
+        elif all(ev.holds_code(_read(c), code) for code in wanted):
+            rest = {term: weight for term, weight in terms.items()
+                    if term not in coded and term not in lexemes[c.title or ""]}
+            coverage = round(ev.coverage(rest, _said(c, lexemes)), 4) if rest else 1.0
+        else:
+            continue
+        if coverage >= ev.CODE_COVERAGE:
             held.append(c.n)
     return held
 
@@ -316,24 +326,23 @@ def _shown(context: Context) -> dict:
 def _read_contexts(conn: psycopg.Connection, contexts: list[Context], terms: dict[str, float],
                    codes: list[str]) -> dict[str, set[str]]:
     """Split the contexts into the sentences that may answer and read every sentence's, heading's and title's
-    lexemes, and the question's `codes`', in one round trip; sets each context's coverage, and its rest_coverage:
-    that of the question's rare words besides its codes and its document's title's words (1 when nothing else is
-    asked). Returns lexemes by text."""
+    lexemes, and the question's `codes`' (for code_holders), in one round trip; sets each context's coverage.
+    Returns lexemes by text."""
     for context in contexts:
         context.sentences = ev.answer_sentences(context.text)
     texts = list(dict.fromkeys([s for c in contexts for s in c.sentences] + [c.section for c in contexts]
                                + [c.via_card for c in contexts if c.via_card] + [c.title or "" for c in contexts]
                                + codes))
     lexemes = dict(zip(texts, ev.lexemes(conn, texts)))
-    coded = set().union(*(lexemes[code] for code in codes))
-    rest = {term: weight for term, weight in terms.items() if term not in coded}
     for context in contexts:
-        held = set().union(lexemes[context.section], lexemes.get(context.via_card or "", set()),
-                           *(lexemes[s] for s in context.sentences))
-        context.coverage = round(ev.coverage(terms, held), 4)
-        asked = {term: weight for term, weight in rest.items() if term not in lexemes[context.title or ""]}
-        context.rest_coverage = round(ev.coverage(asked, held), 4) if asked else 1.0
+        context.coverage = round(ev.coverage(terms, _said(context, lexemes)), 4)
     return lexemes
+
+
+def _said(context: Context, lexemes: dict[str, set[str]]) -> set[str]:
+    """The lexemes a context says itself: its heading's, its card question's and its sentences' (not its title's)."""
+    return set().union(lexemes[context.section], lexemes.get(context.via_card or "", set()),
+                       *(lexemes[s] for s in context.sentences))
 
 # A source label as kb writes it, `[source:document, section]` or `[document.ext, section]`: text that looks like one
 # inside a document or a model's reply is not kb's, and would cite what nobody checked.
